@@ -1,0 +1,322 @@
+"""Typed dataclass configs: strict loading from YAML/JSON, dotted overrides, `--help` from field docstrings.
+
+A config is a (nested) dataclass. Every field carries a one-line docstring written right under it, as litgpt
+does; `field_docs` reads those docstrings from the source so that they become the `--help` text::
+
+    @dataclass
+    class OptimConfig:
+        lr: float = 1e-4
+        \"\"\"Peak learning rate.\"\"\"
+
+Loading is strict: an unknown key, or a value of the wrong type, is a `ValueError` that names the dotted key.
+`__post_init__` of a config may raise `ValueError` for bad combinations; the message is prefixed with the key.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from bertrain.utils.io import atomic_write_text
+
+T = TypeVar("T")
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+# ----------------------------------------------------------------------------------------------- docstrings
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal right after each field), by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):  # source not available (frozen app): no help text, still works
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------- coercion
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, key: str, from_string: bool) -> Any:
+    """Check `value` against the annotation `tp` (converting strings from the command line); raise naming `key`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def bad(expected: str | None = None) -> ValueError:
+        return ValueError(f"config key '{key}': expected {expected or _type_name(tp)}, got {value!r}")
+
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None or (from_string and isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            if type(None) in args:
+                return None
+            raise bad()
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, key, from_string)
+            except ValueError as e:
+                errors.append(str(e))
+        raise bad()
+    if origin is Literal:
+        for choice in args:
+            if value == choice or (isinstance(choice, str) and str(value) == choice):
+                return choice
+        raise ValueError(f"config key '{key}': expected one of {list(args)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise bad(f"a mapping for {tp.__name__}")
+        return from_dict(tp, value, prefix=key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad("bool (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    raise bad() from None
+                if f.is_integer():
+                    return int(f)
+        raise bad()
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string; accept it here
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise bad()
+    if origin in (list, tuple) or tp in (list, tuple):
+        if from_string and isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            value = parsed
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list")
+        item_tp = args[0] if args else Any
+        items = [_coerce(item_tp, v, f"{key}[{i}]", from_string) for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if from_string and isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        return dict(value)
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise bad()
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# ----------------------------------------------------------------------------------------------- load / dump
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", from_string: bool = False) -> T:
+    """Build `cls` from a mapping; unknown keys and wrong types raise `ValueError` naming the dotted key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"config{' key ' + repr(prefix) if prefix else ''}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        names = ", ".join(f"'{_join(prefix, k)}'" for k in unknown)
+        raise ValueError(f"unknown config key {names}; known keys here: {', '.join(sorted(fields))}")
+    kwargs = {k: _coerce(hints[k], v, _join(prefix, k), from_string) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{prefix + ': ' if prefix else ''}{e}") from None
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain (YAML/JSON-serialisable) copy of a config."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict; parse errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ValueError(f"config key '{key}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _resolve_strings(cls: type, data: dict[str, Any], overrides: dict[str, str]) -> None:
+    """Convert override strings by the annotation of the key they target (so `--train.steps 10` becomes int)."""
+    for key, raw in overrides.items():
+        tp: Any = cls
+        for i, part in enumerate(key.split(".")):
+            if not dataclasses.is_dataclass(tp):
+                raise ValueError(f"unknown config key '{key}'")
+            hints = _hints(tp)
+            if part not in hints:
+                prefix = ".".join(key.split(".")[:i])
+                known = ", ".join(sorted(f.name for f in dataclasses.fields(tp)))
+                raise ValueError(f"unknown config key '{key}'; known keys{' in ' + prefix if prefix else ''}: {known}")
+            tp = hints[part]
+        value = _coerce(tp, raw, key, from_string=True) if isinstance(raw, str) else raw
+        set_dotted(data, key, to_dict(value))
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None,
+                overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> T:
+    """`base` dict, then the file at `path`, then dotted `overrides` (strings are parsed by the key's type)."""
+    data: dict[str, Any] = _deep_merge({}, base or {})
+    if path is not None:
+        data = _deep_merge(data, load_file(path))
+    if overrides:
+        _resolve_strings(cls, data, dict(overrides))
+    try:
+        return from_dict(cls, data)
+    except ValueError as e:
+        where = f" (from {path})" if path is not None else ""
+        raise ValueError(f"{e}{where}") from None
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------------------------- argparse
+
+def iter_fields(cls: type, prefix: str = ""):
+    """Yield (dotted_key, type, default, doc) for every leaf field of a nested config dataclass."""
+    hints = _hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, key)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        yield key, tp, default, docs.get(f.name, "")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Register `--section.field VALUE` for every config field, with its docstring as help.
+
+    Values stay strings here and are parsed by `load_config`, so file values and overrides share one strict path.
+    """
+    group = parser.add_argument_group("config keys (override any key of --config)")
+    for key, tp, default, doc in iter_fields(cls):
+        choices = ""
+        metavar = tp.__name__.upper() if tp in (int, float, str, bool) else "VALUE"
+        if typing.get_origin(tp) is Literal:
+            choices = " {" + ",".join(map(str, typing.get_args(tp))) + "}"
+            metavar = "CHOICE"
+        group.add_argument(
+            f"--{key}", dest=f"cfg:{key}", default=argparse.SUPPRESS, metavar=metavar,
+            help=f"{doc}{choices} (default: {default!r})".replace("%", "%%"),
+        )
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
