@@ -1,0 +1,84 @@
+"""Pieces shared by the task modules: the WordPiece tokenizer of a model folder and its identity."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.implementations import BertWordPieceTokenizer
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@dataclass
+class TaskTokenizer:
+    """A fast WordPiece tokenizer plus what the task code needs to know about it."""
+
+    tokenizer: Tokenizer
+    """The `tokenizers` object, without truncation or padding (callers set those per use)."""
+    identity: str
+    """sha256 of the vocabulary and casing: part of every feature-cache key."""
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    do_lower_case: bool
+
+    def encode_plain(self, texts: list[str]) -> list:
+        """Encodings of `texts` without special tokens (ids + character offsets into each text)."""
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        return self.tokenizer.encode_batch(texts, add_special_tokens=False)
+
+
+def read_do_lower_case(model_dir: str | os.PathLike) -> bool:
+    """`do_lower_case` from the folder's tokenizer_config.json (True, BERT's default, when absent)."""
+    cfg = Path(model_dir) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return True
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg}: not valid JSON: {e}") from None
+    return bool(data.get("do_lower_case", True))
+
+
+def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None = None) -> TaskTokenizer:
+    """The tokenizer of an HF-format model folder (or bertrain checkpoint folder): vocab.txt + do_lower_case.
+
+    We build it from vocab.txt rather than tokenizer.json so that a bertrain checkpoint (which always carries
+    vocab.txt and tokenizer_config.json) and an HF folder give the same tokenizer; BERT's basic tokenizer rules
+    (clean text, split CJK characters, strip accents when lowercasing) are those of `BertWordPieceTokenizer`.
+    """
+    model_dir = Path(model_dir)
+    vocab = model_dir / "vocab.txt"
+    if not vocab.is_file():
+        raise ValueError(f"model folder {model_dir} has no vocab.txt (needed for the tokenizer)")
+    if do_lower_case is None:
+        do_lower_case = read_do_lower_case(model_dir)
+    wp = BertWordPieceTokenizer(str(vocab), lowercase=do_lower_case, strip_accents=None, clean_text=True,
+                                handle_chinese_chars=True)
+    tok = wp._tokenizer  # the underlying `tokenizers.Tokenizer`
+    ids = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]")}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"{vocab}: special tokens {missing} are not in the vocabulary")
+    h = hashlib.sha256(vocab.read_bytes())
+    h.update(f"lower={do_lower_case}".encode())
+    return TaskTokenizer(tokenizer=tok, identity=h.hexdigest(), cls_id=ids["[CLS]"], sep_id=ids["[SEP]"],
+                         pad_id=ids["[PAD]"], do_lower_case=do_lower_case)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """Where feature caches go unless the config says otherwise ($BERTRAIN_CACHE or ~/.cache/bertrain)."""
+    return Path(os.environ.get("BERTRAIN_CACHE", Path.home() / ".cache" / "bertrain")) / "features"

@@ -1,0 +1,207 @@
+"""GLUE: the nine tasks' TSV layouts, label sets, features and the GLUE-server submission format.
+
+Column indices are those of the GLUE distribution (and of HF's `glue` processors). Files are read as UTF-8 with
+an optional byte-order mark (MRPC's train/dev start with one) and with `csv.QUOTE_NONE`: GLUE sentences contain
+unbalanced double quotes that a quoting reader would merge across lines.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bertrain.tasks.common import TaskTokenizer
+from bertrain.utils.io import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+csv.field_size_limit(sys.maxsize)  # some QQP/MNLI fields are long; the default 128 KiB limit is arbitrary
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a split's fields live: column indices (None = absent) and whether the file has a header line."""
+
+    text_a: int
+    text_b: int | None
+    label: int | None
+    index: int | None
+    header: bool = True
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    name: str
+    labels: tuple[str, ...] | None  # None: regression (STS-B)
+    train: Layout
+    dev: Layout
+    test: Layout
+    dev_files: tuple[tuple[str, str], ...] = (("dev", "dev.tsv"),)  # (eval split name, file name)
+    test_files: tuple[tuple[str, str], ...] = (("test", "test.tsv"),)
+    submission: tuple[str, ...] = ()  # GLUE server file names, one per test file
+    folder: str = ""  # the task's folder name in the GLUE distribution
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.labels is None else len(self.labels)
+
+    @property
+    def is_regression(self) -> bool:
+        return self.labels is None
+
+
+_PAIR_IDX = Layout(text_a=1, text_b=2, label=-1, index=0)
+_PAIR_IDX_TEST = Layout(text_a=1, text_b=2, label=None, index=0)
+
+TASKS: dict[str, GlueTask] = {
+    "cola": GlueTask("cola", ("0", "1"),
+                     train=Layout(3, None, 1, None, header=False), dev=Layout(3, None, 1, None, header=False),
+                     test=Layout(1, None, None, 0), submission=("CoLA.tsv",), folder="CoLA"),
+    "sst2": GlueTask("sst2", ("0", "1"), train=Layout(0, None, 1, None), dev=Layout(0, None, 1, None),
+                     test=Layout(1, None, None, 0), submission=("SST-2.tsv",), folder="SST-2"),
+    "mrpc": GlueTask("mrpc", ("0", "1"), train=Layout(3, 4, 0, None), dev=Layout(3, 4, 0, None),
+                     test=Layout(3, 4, None, 0), submission=("MRPC.tsv",), folder="MRPC"),
+    "stsb": GlueTask("stsb", None, train=Layout(7, 8, -1, 0), dev=Layout(7, 8, -1, 0),
+                     test=Layout(7, 8, None, 0), submission=("STS-B.tsv",), folder="STS-B"),
+    "qqp": GlueTask("qqp", ("0", "1"), train=Layout(3, 4, 5, 0), dev=Layout(3, 4, 5, 0),
+                    test=Layout(1, 2, None, 0), submission=("QQP.tsv",), folder="QQP"),
+    "mnli": GlueTask("mnli", ("contradiction", "entailment", "neutral"),
+                     train=Layout(8, 9, -1, 0), dev=Layout(8, 9, -1, 0), test=Layout(8, 9, None, 0),
+                     dev_files=(("mnli", "dev_matched.tsv"), ("mnli-mm", "dev_mismatched.tsv")),
+                     test_files=(("mnli", "test_matched.tsv"), ("mnli-mm", "test_mismatched.tsv")),
+                     submission=("MNLI-m.tsv", "MNLI-mm.tsv"), folder="MNLI"),
+    "qnli": GlueTask("qnli", ("entailment", "not_entailment"), train=_PAIR_IDX, dev=_PAIR_IDX,
+                     test=_PAIR_IDX_TEST, submission=("QNLI.tsv",), folder="QNLI"),
+    "rte": GlueTask("rte", ("entailment", "not_entailment"), train=_PAIR_IDX, dev=_PAIR_IDX,
+                    test=_PAIR_IDX_TEST, submission=("RTE.tsv",), folder="RTE"),
+    "wnli": GlueTask("wnli", ("0", "1"), train=_PAIR_IDX, dev=_PAIR_IDX, test=_PAIR_IDX_TEST,
+                     submission=("WNLI.tsv",), folder="WNLI"),
+}
+
+# Majority-class dev baselines (accuracy) quoted by the GLUE paper / data: what a fine-tuned model must beat.
+MAJORITY_BASELINE = {"mrpc": 0.684, "sst2": 0.509, "rte": 0.527, "qnli": 0.505, "wnli": 0.563}
+
+
+def get_task(name: str) -> GlueTask:
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in TASKS:
+        raise ValueError(f"unknown GLUE task {name!r}; known: {', '.join(TASKS)}")
+    return TASKS[key]
+
+
+@dataclass
+class GlueExample:
+    guid: str  # "<file>:<line>" — where the example came from, for error messages
+    text_a: str
+    text_b: str | None
+    label: str | float | None  # label string (classification), float (STS-B), None (test)
+    index: str  # the id the GLUE server expects in the submission file
+
+
+def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> list[GlueExample]:
+    """Read one GLUE TSV split; a short row, an empty sentence or a label outside the task's set is a
+    `ValueError` naming the file and the 1-based line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{task.name}: data file {path} does not exist")
+    need = max(i if i >= 0 else -i - 1 for i in (layout.text_a, layout.text_b, layout.label, layout.index)
+               if i is not None) + 1
+    examples: list[GlueExample] = []
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            for lineno, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+                if lineno == 1 and layout.header:
+                    continue
+                if not row or row == [""]:
+                    continue  # blank line (e.g. a trailing newline pair)
+                where = f"{path}:{lineno}"
+                if len(row) < need:
+                    raise ValueError(f"{where}: {len(row)} tab-separated fields, {task.name} needs at least {need}")
+                text_a = row[layout.text_a]
+                text_b = row[layout.text_b] if layout.text_b is not None else None
+                if not text_a.strip() or (text_b is not None and not text_b.strip()):
+                    raise ValueError(f"{where}: empty sentence")
+                label: str | float | None = None
+                if layout.label is not None:
+                    raw = row[layout.label].strip()
+                    if task.is_regression:
+                        try:
+                            label = float(raw)
+                        except ValueError:
+                            raise ValueError(f"{where}: {task.name} label {raw!r} is not a number") from None
+                    else:
+                        if raw not in task.labels:  # type: ignore[operator]
+                            raise ValueError(f"{where}: label {raw!r} is not one of {task.name}'s labels "
+                                             f"{list(task.labels)}")  # type: ignore[arg-type]
+                        label = raw
+                index = row[layout.index] if layout.index is not None else str(len(examples))
+                examples.append(GlueExample(where, text_a, text_b, label, index))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    except csv.Error as e:
+        raise ValueError(f"{path}: malformed TSV: {e}") from None
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[tuple[str, list[GlueExample]]]:
+    """[(split name, examples)] for 'train', 'dev' (two for MNLI: matched and mismatched) or 'test'."""
+    data_dir = Path(data_dir)
+    if split == "train":
+        return [("train", read_glue_tsv(data_dir / "train.tsv", task, task.train))]
+    if split == "dev":
+        return [(name, read_glue_tsv(data_dir / fn, task, task.dev)) for name, fn in task.dev_files]
+    if split == "test":
+        return [(name, read_glue_tsv(data_dir / fn, task, task.test)) for name, fn in task.test_files]
+    raise ValueError(f"unknown split {split!r}")
+
+
+def build_features(examples: list[GlueExample], task: GlueTask, tok: TaskTokenizer,
+                   max_seq_length: int) -> dict[str, np.ndarray]:
+    """input_ids / token_type_ids / attention_mask (N, L) and labels (N,) — int64 ids, float32 for STS-B,
+    -1 when the split has no labels. Pairs are truncated longest-first, as BERT's reference code does."""
+    t = tok.tokenizer
+    t.enable_truncation(max_length=max_seq_length, strategy="longest_first")
+    t.enable_padding(length=max_seq_length, pad_id=tok.pad_id, pad_token="[PAD]")
+    try:
+        inputs = [(ex.text_a, ex.text_b) if ex.text_b is not None else ex.text_a for ex in examples]
+        encs = t.encode_batch(inputs, add_special_tokens=True)
+    finally:
+        t.no_truncation()
+        t.no_padding()
+    feats = {
+        "input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
+        "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
+        "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64),
+    }
+    if task.is_regression:
+        feats["labels"] = np.asarray([ex.label if ex.label is not None else np.nan for ex in examples],
+                                     dtype=np.float32)
+    else:
+        lab = {s: i for i, s in enumerate(task.labels)}  # type: ignore[arg-type]
+        feats["labels"] = np.asarray([lab[ex.label] if ex.label is not None else -1 for ex in examples],
+                                     dtype=np.int64)
+    return feats
+
+
+def label_strings(task: GlueTask, preds: np.ndarray) -> list[str]:
+    """Model outputs (class ids, or scores for STS-B) as the strings the GLUE server expects."""
+    if task.is_regression:
+        # The server takes a similarity in [0, 5]; the regression head is unbounded.
+        return [f"{min(max(float(p), 0.0), 5.0):.3f}" for p in preds]
+    return [task.labels[int(p)] for p in preds]  # type: ignore[index]
+
+
+def write_submission(path: str | os.PathLike, task: GlueTask, examples: list[GlueExample],
+                     preds: np.ndarray) -> None:
+    """`index<TAB>prediction` lines under a header, the GLUE server's format (atomic write)."""
+    if len(examples) != len(preds):
+        raise ValueError(f"{len(preds)} predictions for {len(examples)} test examples")
+    lines = ["index\tprediction"] + [f"{ex.index}\t{s}" for ex, s in zip(examples, label_strings(task, preds))]
+    atomic_write_text(path, "\n".join(lines) + "\n")

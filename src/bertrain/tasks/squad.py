@@ -1,0 +1,391 @@
+"""SQuAD v1.1 / v2.0: reading, features (sliding windows over the context), caching and answer postprocessing.
+
+Features follow Google's `run_squad.py` (and HF's `prepare_train_features`): the question is cut to
+`max_query_length` tokens; the context is cut into windows of at most `max_seq_length - len(question) - 3`
+tokens whose starts are `doc_stride` tokens apart; each window is `[CLS] question [SEP] window [SEP]`. A context
+token that appears in several windows is scored only in the window where it has the most context on both sides
+(`token_is_max_context`). Character offsets of the fast tokenizer map answers between characters and tokens both
+ways, so predictions are exact substrings of the original context (no whitespace-token heuristics needed).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bertrain.tasks.common import TaskTokenizer, default_cache_dir, file_sha256
+from bertrain.utils.io import atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+FEATURE_VERSION = 1  # bump when the feature layout changes, so that old caches are not reused
+
+
+@dataclass
+class SquadExample:
+    """One question about one paragraph."""
+
+    qid: str
+    question: str
+    context: str
+    answers: list[dict[str, Any]]  # [{"text", "answer_start"}]; empty for an unanswerable question
+    is_impossible: bool = False
+    plausible_answers: list[dict[str, Any]] = field(default_factory=list)
+    title: str = ""
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = None) -> list[SquadExample]:
+    """Read and validate a SQuAD JSON file.
+
+    Every answer must sit at its `answer_start` (checked character by character); contexts, questions and ids
+    must be non-empty and ids unique. Problems raise `ValueError` naming the file and the question id.
+    `version_2_with_negative=False` rejects unanswerable questions; None accepts both versions.
+    """
+    path = Path(path)
+    data = _load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
+    examples: list[SquadExample] = []
+    seen: set[str] = set()
+    for ai, article in enumerate(data["data"]):
+        if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
+            raise ValueError(f"{path}: article {ai} has no 'paragraphs' list")
+        title = str(article.get("title", ""))
+        for pi, para in enumerate(article["paragraphs"]):
+            qas = para.get("qas") if isinstance(para, dict) else None
+            if not isinstance(qas, list):
+                raise ValueError(f"{path}: article {ai} paragraph {pi} has no 'qas' list")
+            context = para.get("context")
+            for qa in qas:
+                if not isinstance(qa, dict) or not isinstance(qa.get("id"), str) or not qa["id"]:
+                    raise ValueError(f"{path}: article {ai} paragraph {pi}: a question without an 'id'")
+                qid = qa["id"]
+                where = f"{path}: question id {qid}"
+                if qid in seen:
+                    raise ValueError(f"{where}: duplicate question id")
+                seen.add(qid)
+                if not isinstance(context, str) or not context.strip():
+                    raise ValueError(f"{where}: empty context (article {ai} paragraph {pi})")
+                question = qa.get("question")
+                if not isinstance(question, str) or not question.strip():
+                    raise ValueError(f"{where}: empty question")
+                is_impossible = bool(qa.get("is_impossible", False))
+                if is_impossible and version_2_with_negative is False:
+                    raise ValueError(f"{where}: unanswerable question in a file read as SQuAD v1.1 "
+                                     "(pass --version-2-with-negative)")
+                answers = qa.get("answers", [])
+                if not isinstance(answers, list):
+                    raise ValueError(f"{where}: 'answers' is not a list")
+                if is_impossible and answers:
+                    raise ValueError(f"{where}: is_impossible is true but answers are given")
+                if not is_impossible and not answers:
+                    raise ValueError(f"{where}: no answers and not marked is_impossible")
+                plausible = qa.get("plausible_answers", []) if is_impossible else []
+                for kind, lst in (("answer", answers), ("plausible answer", plausible)):
+                    for a in lst:
+                        _check_answer(a, context, f"{where}: {kind}")
+                examples.append(SquadExample(qid, question, context, answers, is_impossible, plausible, title))
+    if not examples:
+        raise ValueError(f"{path}: no questions")
+    return examples
+
+
+def _check_answer(a: Any, context: str, where: str) -> None:
+    if not isinstance(a, dict) or not isinstance(a.get("text"), str) or not isinstance(a.get("answer_start"), int):
+        raise ValueError(f"{where} must have a string 'text' and an integer 'answer_start', got {a!r}")
+    start, text = a["answer_start"], a["text"]
+    if not text.strip():
+        raise ValueError(f"{where} has empty text")
+    if start < 0 or context[start:start + len(text)] != text:
+        found = context[max(start, 0):max(start, 0) + len(text)]
+        raise ValueError(f"{where} {text!r} does not match the context at answer_start {start} "
+                         f"(the context there reads {found!r})")
+
+
+# ----------------------------------------------------------------------------------------------- features
+
+@dataclass
+class SquadFeatureConfig:
+    max_seq_length: int = 384
+    """Tokens per window: [CLS] question [SEP] context-window [SEP], padded."""
+    doc_stride: int = 128
+    """Distance in tokens between the starts of consecutive context windows."""
+    max_query_length: int = 64
+    """Questions are cut to this many tokens."""
+
+    def __post_init__(self) -> None:
+        if self.max_query_length + 3 >= self.max_seq_length:
+            raise ValueError(f"max_query_length ({self.max_query_length}) leaves no room for the context in "
+                             f"max_seq_length ({self.max_seq_length})")
+        if self.doc_stride <= 0:
+            raise ValueError(f"doc_stride must be positive, got {self.doc_stride}")
+
+
+# Arrays of one feature set; N features of length L.
+#   input_ids, token_type_ids, attention_mask  (N, L) int64
+#   start_positions, end_positions             (N,)   int64  (0 = [CLS]: no answer in this window)
+#   example_index                               (N,)   int64  index into the example list
+#   offsets                                     (N, L, 2) int32  char span in the context, -1 outside the context
+#   max_context                                 (N, L) bool   token_is_max_context
+SquadFeatures = dict[str, np.ndarray]
+
+
+def _is_max_context(spans: list[tuple[int, int]], cur: int, position: int) -> bool:
+    """Google's `_check_is_max_context`: is `cur` the window where token `position` has the most context?
+
+    Score = min(left context, right context) + 0.01 * window length; ties go to the earlier window.
+    """
+    best_score, best_index = None, None
+    for i, (start, length) in enumerate(spans):
+        end = start + length - 1
+        if position < start or position > end:
+            continue
+        score = min(position - start, end - position) + 0.01 * length
+        if best_score is None or score > best_score:
+            best_score, best_index = score, i
+    return cur == best_index
+
+
+def answer_token_span(offsets: list[tuple[int, int]], char_start: int, char_end: int) -> tuple[int, int]:
+    """Token indices [first, last] of the context tokens that overlap characters [char_start, char_end)."""
+    first = last = -1
+    for i, (s, e) in enumerate(offsets):
+        if e > char_start and s < char_end:
+            if first < 0:
+                first = i
+            last = i
+    return first, last
+
+
+def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadFeatureConfig,
+                   is_training: bool) -> SquadFeatures:
+    """Sliding-window features for `examples` (labels for training: the first answer, or [CLS])."""
+    L = cfg.max_seq_length
+    q_encs = tok.encode_plain([ex.question for ex in examples])
+    # Paragraphs repeat across questions: tokenize each distinct context once.
+    ctx_list = list(dict.fromkeys(ex.context for ex in examples))
+    ctx_index = {c: i for i, c in enumerate(ctx_list)}
+    c_encs = tok.encode_plain(ctx_list)
+
+    rows: dict[str, list] = {k: [] for k in ("input_ids", "token_type_ids", "attention_mask", "start_positions",
+                                             "end_positions", "example_index", "offsets", "max_context")}
+    for ei, ex in enumerate(examples):
+        q_ids = q_encs[ei].ids[: cfg.max_query_length]
+        c_enc = c_encs[ctx_index[ex.context]]
+        c_ids, c_off = c_enc.ids, c_enc.offsets
+        if not c_ids:
+            raise ValueError(f"question id {ex.qid}: the context has no tokens")
+        tok_start = tok_end = -1
+        if is_training and not ex.is_impossible:
+            a = ex.answers[0]
+            tok_start, tok_end = answer_token_span(c_off, a["answer_start"], a["answer_start"] + len(a["text"]))
+            if tok_start < 0:
+                raise ValueError(f"question id {ex.qid}: the answer {a['text']!r} covers no token of the context")
+
+        max_doc = L - len(q_ids) - 3
+        spans: list[tuple[int, int]] = []
+        start = 0
+        while True:
+            length = min(len(c_ids) - start, max_doc)
+            spans.append((start, length))
+            if start + length == len(c_ids):
+                break
+            start += min(length, cfg.doc_stride)
+
+        for si, (start, length) in enumerate(spans):
+            ids = [tok.cls_id] + q_ids + [tok.sep_id] + c_ids[start:start + length] + [tok.sep_id]
+            n_q = len(q_ids) + 2
+            types = [0] * n_q + [1] * (length + 1)
+            offs = np.full((L, 2), -1, dtype=np.int32)
+            offs[n_q:n_q + length] = np.asarray(c_off[start:start + length], dtype=np.int32).reshape(length, 2)
+            maxc = np.zeros(L, dtype=bool)
+            for j in range(length):
+                maxc[n_q + j] = _is_max_context(spans, si, start + j)
+            sp = ep = 0
+            if is_training and not ex.is_impossible and start <= tok_start and tok_end <= start + length - 1:
+                sp, ep = tok_start - start + n_q, tok_end - start + n_q
+            pad = L - len(ids)
+            rows["input_ids"].append(ids + [tok.pad_id] * pad)
+            rows["token_type_ids"].append(types + [0] * pad)
+            rows["attention_mask"].append([1] * len(ids) + [0] * pad)
+            rows["start_positions"].append(sp)
+            rows["end_positions"].append(ep)
+            rows["example_index"].append(ei)
+            rows["offsets"].append(offs)
+            rows["max_context"].append(maxc)
+    feats = {k: np.asarray(v) for k, v in rows.items()}
+    for k in ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "example_index"):
+        feats[k] = feats[k].astype(np.int64)
+    return feats
+
+
+def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExample], tok: TaskTokenizer,
+                           cfg: SquadFeatureConfig, is_training: bool,
+                           cache_dir: str | os.PathLike | None = None) -> tuple[SquadFeatures, Path | None]:
+    """`build_features`, cached in `cache_dir` under a key of (file hash, tokenizer identity, settings).
+
+    The cache file is written atomically, so concurrent ranks or a crash never leave a half-written cache;
+    `cache_dir=""` disables caching.
+    """
+    if cache_dir == "":
+        return build_features(examples, tok, cfg, is_training), None
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = hashlib.sha256(json.dumps({
+        "data": file_sha256(data_file), "tokenizer": tok.identity, "max_seq_length": cfg.max_seq_length,
+        "doc_stride": cfg.doc_stride, "max_query_length": cfg.max_query_length, "training": is_training,
+        "n_examples": len(examples), "version": FEATURE_VERSION,
+    }, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_dir / f"squad-{Path(data_file).stem}-{'train' if is_training else 'eval'}-{key}.npz"
+    if path.is_file():
+        try:
+            with np.load(path) as z:
+                feats = {k: z[k] for k in z.files}
+            if int(feats["example_index"].max()) < len(examples):
+                log.info("loaded %d cached features from %s", len(feats["input_ids"]), path)
+                return feats, path
+        except (OSError, ValueError, KeyError) as e:  # corrupt cache: rebuild rather than fail
+            log.warning("ignoring unreadable feature cache %s (%s)", path, e)
+    feats = build_features(examples, tok, cfg, is_training)
+    buf = io.BytesIO()
+    np.savez(buf, **feats)
+    atomic_write_bytes(path, buf.getvalue())
+    log.info("built %d features for %d examples, cached in %s", len(feats["input_ids"]), len(examples), path)
+    return feats, path
+
+
+# ----------------------------------------------------------------------------------------------- postprocess
+
+@dataclass
+class SquadPostprocessConfig:
+    n_best_size: int = 20
+    """Candidates kept per question (start and end indices considered per window, and entries in nbest)."""
+    max_answer_length: int = 30
+    """Longest answer, in tokens."""
+    null_score_diff_threshold: float = 0.0
+    """v2.0: predict no answer when score(null) - score(best span) exceeds this."""
+
+
+def _softmax(x: list[float]) -> list[float]:
+    if not x:
+        return []
+    a = np.asarray(x, dtype=np.float64)
+    e = np.exp(a - a.max())
+    return (e / e.sum()).tolist()
+
+
+def postprocess_predictions(examples: list[SquadExample], feats: SquadFeatures, start_logits: np.ndarray,
+                            end_logits: np.ndarray, cfg: SquadPostprocessConfig, version_2_with_negative: bool,
+                            ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]], dict[str, float]]:
+    """Best answer text per question: (predictions, nbest, null_odds) as Google's `write_predictions`.
+
+    `start_logits`/`end_logits` are (N, L), row i for feature i. For v2.0, `null_odds[qid]` = score_null -
+    (start + end of the best non-null span), score_null being the smallest [CLS] score over the question's windows.
+    """
+    assert start_logits.shape == end_logits.shape == feats["input_ids"].shape
+    by_example: dict[int, list[int]] = {}
+    for fi, ei in enumerate(feats["example_index"].tolist()):
+        by_example.setdefault(ei, []).append(fi)
+
+    predictions: dict[str, str] = {}
+    all_nbest: dict[str, list[dict[str, Any]]] = {}
+    null_odds: dict[str, float] = {}
+    for ei, ex in enumerate(examples):
+        prelim: list[tuple[float, float, str, int, int]] = []  # (start_logit, end_logit, text, c0, c1)
+        score_null, null_start, null_end = float("inf"), 0.0, 0.0
+        for fi in by_example.get(ei, []):
+            s_log, e_log = start_logits[fi], end_logits[fi]
+            offs, maxc = feats["offsets"][fi], feats["max_context"][fi]
+            if version_2_with_negative:
+                null = float(s_log[0] + e_log[0])
+                if null < score_null:
+                    score_null, null_start, null_end = null, float(s_log[0]), float(e_log[0])
+            starts = np.argsort(-s_log, kind="stable")[: cfg.n_best_size]
+            ends = np.argsort(-e_log, kind="stable")[: cfg.n_best_size]
+            for s in starts:
+                if offs[s, 0] < 0 or not maxc[s]:
+                    continue
+                for e in ends:
+                    if offs[e, 0] < 0 or e < s or e - s + 1 > cfg.max_answer_length:
+                        continue
+                    c0, c1 = int(offs[s, 0]), int(offs[e, 1])
+                    prelim.append((float(s_log[s]), float(e_log[e]), ex.context[c0:c1], c0, c1))
+        if version_2_with_negative:  # the null answer competes with the spans for a place in the n-best
+            prelim.append((null_start, null_end, "", -1, -1))
+        prelim.sort(key=lambda p: p[0] + p[1], reverse=True)
+        nbest: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for sl, el, text, c0, c1 in prelim:
+            if len(nbest) >= cfg.n_best_size:
+                break
+            if text in seen:
+                continue
+            seen.add(text)
+            entry: dict[str, Any] = {"text": text, "start_logit": sl, "end_logit": el}
+            if c0 >= 0:
+                entry.update(char_start=c0, char_end=c1)
+            nbest.append(entry)
+        if version_2_with_negative:
+            if "" not in seen:  # the null answer did not make the n-best: include it anyway (as Google's code)
+                nbest.append({"text": "", "start_logit": null_start, "end_logit": null_end})
+            if len(nbest) == 1:  # only the null answer: a nonce non-null entry keeps the logic below total
+                nbest.insert(0, {"text": "empty", "start_logit": 0.0, "end_logit": 0.0})
+        if not nbest:
+            nbest.append({"text": "empty", "start_logit": 0.0, "end_logit": 0.0})
+        probs = _softmax([p["start_logit"] + p["end_logit"] for p in nbest])
+        for p, pr in zip(nbest, probs):
+            p["probability"] = pr
+        all_nbest[ex.qid] = nbest
+        if not version_2_with_negative:
+            predictions[ex.qid] = nbest[0]["text"]
+            continue
+        best_non_null = next(p for p in nbest if p["text"])
+        diff = score_null - best_non_null["start_logit"] - best_non_null["end_logit"]
+        null_odds[ex.qid] = diff
+        predictions[ex.qid] = "" if diff > cfg.null_score_diff_threshold else best_non_null["text"]
+    return predictions, all_nbest, null_odds
+
+
+def apply_null_threshold(nbest: dict[str, list[dict[str, Any]]], null_odds: dict[str, float],
+                         threshold: float) -> dict[str, str]:
+    """v2.0 predictions for another threshold (e.g. the best one found on dev) without re-running the model."""
+    out = {}
+    for qid, entries in nbest.items():
+        best_non_null = next(p for p in entries if p["text"])
+        out[qid] = "" if null_odds[qid] > threshold else best_non_null["text"]
+    return out
+
+
+def write_prediction_files(output_dir: str | os.PathLike, predictions: dict[str, str],
+                           nbest: dict[str, list[dict[str, Any]]], null_odds: dict[str, float] | None) -> None:
+    """predictions.json, nbest_predictions.json and (v2.0) null_odds.json, each written atomically."""
+    output_dir = Path(output_dir)
+    atomic_write_json(output_dir / "predictions.json", predictions)
+    atomic_write_json(output_dir / "nbest_predictions.json", nbest)
+    if null_odds is not None:
+        atomic_write_json(output_dir / "null_odds.json", null_odds)
+
+
+def load_dataset_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw parsed SQuAD file (for the official evaluation), with a clear error on malformed JSON."""
+    data = _load_json(Path(path))
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
+    return data
