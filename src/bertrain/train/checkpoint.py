@@ -1,0 +1,166 @@
+"""Self-contained, atomic checkpoint folders: `OUTPUT/step-N/`.
+
+A folder holds the model in HF format (`save_pretrained`: config.json, model.safetensors, tokenizer files), so
+`from_pretrained` and `transformers` read it directly; `train_state.pt` (optimizer, scheduler, scaler, every RNG
+state of every rank, data-loader state, step / samples / epoch); `config.yaml` (the resolved run config);
+`manifest.json` (size and sha256 of every file) and a `COMPLETE` marker written last. It is built under a
+temporary name and renamed into place, so a crash leaves either the whole folder or none. `latest_checkpoint`
+returns the newest folder that is complete and whose checksums match, reporting and skipping the others.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from bertrain.config import save_config
+from bertrain.utils.io import atomic_dir, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TRAIN_STATE = "train_state.pt"
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"step-{step}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_model(model: nn.Module, path: Path) -> None:
+    """HF-format weights via `save_pretrained` (bertrain models); plain safetensors for other modules."""
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(path)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+
+
+def load_model_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a checkpoint folder's weights into `model` in place (exact: safetensors keeps every bit)."""
+    path = Path(path)
+    if hasattr(type(model), "from_pretrained"):
+        loaded = type(model).from_pretrained(path)
+        model.load_state_dict(loaded.state_dict())
+        if hasattr(loaded, "tokenizer_files"):
+            model.tokenizer_files = loaded.tokenizer_files
+    else:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(str(path / "model.safetensors")))
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_state: dict[str, Any],
+                    config: Any, keep_last: int = 0) -> Path:
+    """Write `OUTPUT/step-N/` atomically (rank 0 only), then keep the newest `keep_last` (0: all)."""
+    target = checkpoint_dir(output_dir, step)
+    with atomic_dir(target, overwrite=True) as tmp:
+        save_model(model, tmp)
+        torch.save(train_state, tmp / TRAIN_STATE)
+        if config is not None:
+            save_config(config, tmp / "config.yaml")
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {"step": step, "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size,
+                                                                      "sha256": _sha256(p)} for p in files}}
+        atomic_write_json(tmp / MANIFEST, manifest)
+        (tmp / COMPLETE).write_text(f"{step}\n")  # last: a folder with this marker is whole
+    log.info("saved checkpoint %s", target)
+    prune_checkpoints(output_dir, keep_last)
+    return target
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """All `step-N` folders (complete or not), oldest first."""
+    out = []
+    root = Path(output_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def prune_checkpoints(output_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete folders, and temporary folders left by a killed save."""
+    root = Path(output_dir)
+    for stale in root.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    complete = [p for _, p in list_checkpoints(root) if (p / COMPLETE).exists()]
+    for p in complete[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+        log.info("removed old checkpoint %s (keep_last=%d)", p, keep_last)
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None if `path` is a complete checkpoint whose files match its manifest, else what is wrong."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        return "incomplete (no COMPLETE marker)"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable {MANIFEST}: {e}"
+    for rel, meta in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        if f.stat().st_size != meta["size"]:
+            return f"corrupt file {rel}: size {f.stat().st_size} != {meta['size']}"
+        if _sha256(f) != meta["sha256"]:
+            return f"corrupt file {rel}: checksum mismatch"
+    if TRAIN_STATE not in manifest.get("files", {}):
+        return f"no {TRAIN_STATE}"
+    return None
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete, uncorrupted `step-N` folder; each bad one newer than it is reported and skipped."""
+    for step, path in reversed(list_checkpoints(output_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def load_train_state(path: str | Path) -> dict[str, Any]:
+    """The training state of a checkpoint folder (our own file, so full unpickling is safe)."""
+    return torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=False)
+
+
+# ----------------------------------------------------------------------------------------------- RNG states
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from: Python, NumPy, torch CPU and (if present) all CUDA devices."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

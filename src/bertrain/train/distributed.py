@@ -1,0 +1,227 @@
+"""Process-group setup from whichever launcher started us, and the few collectives the loops need.
+
+One code path for every world size: with no launcher environment (or a world of 1) no process group is created
+and the collectives below are identities. Launchers understood, first match wins:
+
+* torchrun / torch.distributed.launch: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+* Slurm `srun`: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the first host of SLURM_JOB_NODELIST
+* Open MPI `mpirun`: OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK
+* MPICH / Intel MPI (PMI): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from bertrain.train.config import DistributedConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank layout read from a launcher's environment variables."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job. `is_main` (rank 0) is the only rank that writes files."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    is_main: bool
+    backend: str | None = None
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list: `scontrol show hostnames` when available, else parse `a[01-04,07],b`."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The rank layout from torchrun, Slurm, Open MPI or PMI variables; None when no launcher is present."""
+    env = os.environ if env is None else env
+    addr = env.get("MASTER_ADDR")
+    port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), int(env.get("LOCAL_RANK", 0)),
+                         addr or "127.0.0.1", port, "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if not addr:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            addr = first_slurm_host(nodelist) if nodelist else "127.0.0.1"
+        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+            # every task of the job derives the same port; jobs sharing a node get different ones
+            port = 15000 + int(env["SLURM_JOB_ID"]) % 20000
+        return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), int(env.get("SLURM_LOCALID", 0)),
+                         addr, port, "slurm")
+    for rank_key, size_key, local_keys, local_size_key, name in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
+         "OMPI_COMM_WORLD_LOCAL_SIZE", "openmpi"),
+        ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), "MPI_LOCALNRANKS", "pmi"),
+    ):
+        if rank_key in env and size_key in env:
+            rank, size = _int(env, rank_key), _int(env, size_key)
+            local = next((int(env[k]) for k in local_keys if k in env), 0)
+            if not addr:
+                single_node = env.get(local_size_key) == env[size_key]
+                if size > 1 and not single_node:
+                    raise ValueError(f"launched by {name} on several nodes: set MASTER_ADDR (and MASTER_PORT) "
+                                     "to rank 0's host, e.g. mpirun -x MASTER_ADDR=$(hostname) ...")
+                addr = "127.0.0.1"
+            return LaunchEnv(rank, size, local, addr, port, name)
+    return None
+
+
+def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
+    """Join the process group of the launcher (if any), pin this rank to its local GPU, and describe the result.
+
+    gloo on CPU, nccl on GPU (unless `cfg.backend` says otherwise). At world size 1 no group is created.
+    """
+    cfg = cfg or DistributedConfig()
+    layout = launch_env()
+    rank, world, local = (layout.rank, layout.world_size, layout.local_rank) if layout else (0, 1, 0)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("config key 'distributed.device' is cuda but CUDA is not available")
+        # pin before any CUDA work so that NCCL and every tensor of this rank use its own GPU
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world > 1 and not torch_dist.is_initialized():
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        if backend == "nccl" and not use_cuda:
+            raise ValueError("config key 'distributed.backend' is nccl but the device is CPU; use gloo")
+        os.environ.setdefault("MASTER_ADDR", layout.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(layout.master_port))
+        log.info("rank %d/%d (local %d, %s): joining %s group at %s:%s", rank, world, local, layout.launcher,
+                 backend, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+        torch_dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                      timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    elif torch_dist.is_initialized():
+        backend = torch_dist.get_backend()
+    return DistInfo(rank, world, local, device, rank == 0, backend)
+
+
+def is_distributed() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+
+
+def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None = None) -> nn.Module:
+    """DDP when world_size > 1, else the model itself.
+
+    DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank starts from identical weights even
+    if their initialisation differed (we also build the model with the same seed on every rank).
+    """
+    if dist.world_size == 1:
+        return model
+    cfg = cfg or DistributedConfig()
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True, broadcast_buffers=False)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def no_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip DDP's gradient all-reduce inside the block (accumulation micro-steps) when `enabled`."""
+    if enabled and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def grads_are_synced(model: nn.Module) -> bool:
+    """False while inside `no_sync`: gradients are then local and must not be clipped or stepped on."""
+    return getattr(model, "require_backward_grad_sync", True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks in place (identity at world size 1) and return it."""
+    if is_distributed():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if is_distributed():
+        torch_dist.barrier()
+
+
+def cleanup() -> None:
+    """Leave the process group (safe to call when none was created)."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_context(cfg: DistributedConfig | None = None) -> Iterator[DistInfo]:
+    """`init_distributed` and always `cleanup`, even on errors."""
+    try:
+        yield init_distributed(cfg)
+    finally:
+        cleanup()

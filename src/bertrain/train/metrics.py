@@ -1,0 +1,123 @@
+"""Seeing what happens: `metrics.jsonl` (one JSON object per logged step), TensorBoard when installed, and a PNG
+plot of loss, accuracy and throughput at the end. Only the main rank creates a logger with `enabled=True`."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Append metrics to OUTPUT/metrics.jsonl (and TensorBoard under OUTPUT/tensorboard when available)."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True, resume_step: int | None = None,
+                 tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()  # a fresh run starts a fresh file
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
+            except ImportError:
+                log.debug("tensorboard not installed: metrics go to %s only", self.path)
+            else:
+                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines a killed run wrote after the checkpoint we resume from, so each step appears once."""
+        keep = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                continue
+        self.path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled or self._file is None:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
+    """A 2x2 PNG: loss, MLM/NSP accuracy, throughput (seq/s) and learning rate against the step."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(jsonl) if "loss" in r]
+    steps = [r["step"] for r in rows]
+
+    def series(key: str) -> list[float]:
+        return [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    ax = axes[0][0]
+    ax.plot(steps, series("loss"), label="total")
+    ax.plot(steps, series("mlm_loss"), label="MLM")
+    if any(r.get("nsp_loss") for r in rows):
+        ax.plot(steps, series("nsp_loss"), label="NSP")
+    ax.set_title("loss"); ax.legend(); ax.set_xlabel("step")
+    ax = axes[0][1]
+    ax.plot(steps, series("mlm_acc"), label="MLM accuracy")
+    if any(r.get("nsp_acc") is not None for r in rows):
+        ax.plot(steps, series("nsp_acc"), label="NSP accuracy")
+    ax.set_ylim(0, 1); ax.set_title("accuracy"); ax.legend(); ax.set_xlabel("step")
+    ax = axes[1][0]
+    ax.plot(steps, series("seq_per_s"), label="sequences/s")
+    ax.set_title("throughput"); ax.set_xlabel("step"); ax.set_ylabel("sequences/s")
+    ax2 = ax.twinx()
+    ax2.plot(steps, series("data_wait"), color="tab:red", alpha=0.5, label="data-wait fraction")
+    ax2.set_ylim(0, 1); ax2.set_ylabel("data-wait fraction")
+    ax = axes[1][1]
+    ax.plot(steps, series("lr"))
+    ax.set_title("learning rate"); ax.set_xlabel("step")
+    png = Path(png)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png

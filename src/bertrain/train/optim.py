@@ -1,0 +1,166 @@
+"""Optimizers for BERT: LAMB (and NVIDIA's NVLAMB), BERT's AdamW (with or without bias correction), RAdam.
+
+* `Lamb` (You et al., 2019, "Large Batch Optimization for Deep Learning"), written with multi-tensor `foreach`
+  ops: Adam moments, an update `m̂/(sqrt(v̂)+eps) + wd·w`, then a per-tensor trust ratio ||w|| / ||update||
+  clamped to [min_trust_ratio, max_trust_ratio] (DeepSpeed's min/max coefficients; 1 where either norm is 0).
+  `nvlamb=True` adds NVIDIA's pre-normalisation: the gradients are divided by their global L2 norm before the
+  moments are updated (NVLAMB, "Pretraining BERT with layer-wise adaptive learning rates").
+* `BertAdamW`: google-research/bert's AdamWeightDecayOptimizer (no bias correction); with bias correction we use
+  `torch.optim.AdamW` itself. `torch.optim.RAdam` for radam.
+* `build_optimizer` puts biases and LayerNorm parameters in a group without weight decay.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from bertrain.train.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: decayed weights, and biases + LayerNorm parameters without weight decay (as BERT does)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:  # tied weights (decoder = word embeddings) appear twice
+                continue
+            seen.add(id(p))
+            if isinstance(module, nn.LayerNorm) or name == "bias" or "layernorm" in type(module).__name__.lower():
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with multi-tensor ops; `nvlamb` pre-normalises gradients by their global norm (NVIDIA)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
+                 min_trust_ratio: float = 0.01, max_trust_ratio: float = 10.0, nvlamb: bool = False) -> None:
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid LAMB hyper-parameters lr={lr} eps={eps} wd={weight_decay} betas={betas}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio)
+        super().__init__(params, defaults)
+        self.nvlamb = nvlamb
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = None
+        if self.nvlamb:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                # divide by the global norm (guarded against 0); computed before any moment update
+                grad_scale = torch.where(global_norm > 0, 1.0 / global_norm, torch.ones_like(global_norm))
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("Lamb does not support sparse gradients")
+            grads = [p.grad for p in params]
+            if grad_scale is not None:
+                grads = torch._foreach_mul(grads, grad_scale)
+            states = [self.state[p] for p in params]
+            for p, st in zip(params, states):
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps = [st["step"] for st in states]
+            exp_avg = [st["exp_avg"] for st in states]
+            exp_avg_sq = [st["exp_avg_sq"] for st in states]
+            beta1, beta2 = group["betas"]
+            torch._foreach_add_(steps, 1.0)
+            # m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
+            torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sq, beta2)
+            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+            step = float(steps[0])  # every tensor of a group has taken the same number of steps
+            bc1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
+            bc2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
+            # update = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w
+            denom = torch._foreach_div(exp_avg_sq, bc2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            update = torch._foreach_div(exp_avg, denom)
+            if bc1 != 1.0:
+                torch._foreach_div_(update, bc1)
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(update, params, alpha=group["weight_decay"])
+            # per-tensor trust ratio ||w|| / ||update||, 1 where either norm is 0, clamped as DeepSpeed does
+            w_norm = torch.stack(torch._foreach_norm(params))
+            u_norm = torch.stack(torch._foreach_norm(update))
+            ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
+            ratio = ratio.clamp(group["min_trust_ratio"], group["max_trust_ratio"])
+            torch._foreach_mul_(update, list(torch.unbind(ratio * -group["lr"])))
+            torch._foreach_add_(params, update)
+        return loss
+
+
+class BertAdamW(torch.optim.Optimizer):
+    """google-research/bert's AdamWeightDecayOptimizer: Adam without bias correction, decoupled weight decay.
+
+    w <- w - lr * (m / (sqrt(v) + eps) + wd * w). Multi-tensor ops throughout.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
+            beta1, beta2 = group["betas"]
+            torch._foreach_lerp_(m, grads, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, group["eps"])
+            update = torch._foreach_div(m, denom)
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(update, params, alpha=group["weight_decay"])
+            torch._foreach_add_(params, update, alpha=-group["lr"])
+        return loss
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name`, over `param_groups(model)`; `lr` overrides cfg.lr (LR scaling)."""
+    lr = cfg.lr if lr is None else lr
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.name in ("lamb", "nvlamb"):
+        return Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                    bias_correction=cfg.bias_correction, min_trust_ratio=cfg.min_trust_ratio,
+                    max_trust_ratio=cfg.max_trust_ratio, nvlamb=cfg.name == "nvlamb")
+    if cfg.name == "adamw":
+        if cfg.bias_correction:
+            return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                     foreach=True)
+        return BertAdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "radam":
+        return torch.optim.RAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 decoupled_weight_decay=True, foreach=True)
+    raise ValueError(f"config key 'optim.name': unknown optimizer {cfg.name!r}")

@@ -1,0 +1,107 @@
+"""Numeric precision: fp32, TF32, bf16 autocast, fp16 autocast with dynamic loss scaling.
+
+fp16 uses `torch.amp.GradScaler`, whose semantics are the ones we want: `unscale_` records whether any gradient
+is inf/NaN, `step` then skips `optimizer.step()` (weights and optimizer state untouched) and `update` halves the
+scale. A skipped step is reported by `Precision.step` returning False, so the caller does not advance the LR
+schedule. A scale that keeps collapsing (below `min_loss_scale` for `max_consecutive_skips` overflowing steps in a
+row) means the run has diverged; we stop with an error instead of training on NaNs.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterable
+
+import torch
+
+from bertrain.train.config import PrecisionConfig
+
+log = logging.getLogger(__name__)
+
+
+class LossScaleCollapse(RuntimeError):
+    """fp16 training has overflowed repeatedly at a tiny loss scale."""
+
+
+class Precision:
+    """Autocast, backward, unscale+clip and (possibly skipped) optimizer step for one precision mode."""
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mode)
+        if cfg.mode == "tf32":
+            # TF32 matmuls/convolutions on Ampere and newer; a no-op elsewhere (CPU keeps full fp32)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.set_float32_matmul_precision("high")
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cfg.initial_loss_scale,
+                                           growth_interval=cfg.growth_interval, enabled=cfg.mode == "fp16")
+        self.consecutive_skips = 0
+        self.skipped_steps = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward-pass context: autocast to bf16/fp16, or nothing for fp32/tf32."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (scaled, for fp16) loss."""
+        self.scaler.scale(loss).backward()
+
+    def unscale_and_clip(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+                         max_norm: float) -> torch.Tensor:
+        """Unscale the gradients (fp16) and clip them to `max_norm` (0: measure only); returns the global norm.
+
+        Call once per optimizer step, after the last micro-step's backward, i.e. on the all-reduced gradients.
+        """
+        self.scaler.unscale_(optimizer)
+        params = [p for p in params if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else torch.zeros(())
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Optimizer step; False when fp16 found inf/NaN gradients and skipped it (the schedule must not advance)."""
+        if not self.scaler.is_enabled():
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        after = self.scaler.get_scale()
+        # GradScaler lowers the scale exactly when it found inf/NaN and skipped optimizer.step()
+        stepped = not after < before
+        if stepped:
+            self.consecutive_skips = 0
+            return True
+        self.consecutive_skips += 1
+        self.skipped_steps += 1
+        log.warning("fp16 overflow: step skipped, loss scale %g -> %g", before, after)
+        if after < self.cfg.min_loss_scale and self.consecutive_skips >= self.cfg.max_consecutive_skips:
+            raise LossScaleCollapse(
+                f"fp16 loss scale collapsed to {after:g} (< precision.min_loss_scale={self.cfg.min_loss_scale:g}) "
+                f"after {self.consecutive_skips} consecutive overflowing steps: the gradients are inf/NaN even "
+                "unscaled, so the run has diverged. Resume from an earlier checkpoint with a lower optim.lr or a "
+                "longer schedule.warmup, or use precision.mode=bf16 (no loss scaling needed) or fp32.")
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict(), "consecutive_skips": self.consecutive_skips,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def is_finite(x: torch.Tensor | float) -> bool:
+    return math.isfinite(float(x))

@@ -1,0 +1,63 @@
+"""Learning-rate schedules as `LambdaLR` multipliers of the peak LR, indexed by optimizer steps taken.
+
+Warmup rises linearly to the peak over `warmup` steps (the first step already uses 1/warmup of the peak, not 0);
+then, with p = progress through the remaining steps in [0, 1]:
+
+* linear:   end + (1 - end) (1 - p)                     (BERT paper; end = schedule.min_lr_ratio)
+* poly:     end + (1 - end) (1 - p)^power               (NVIDIA's PolyWarmUpScheduler, power 0.5)
+* cosine:   end + (1 - end) (1 + cos(pi p)) / 2
+* constant: 1
+* warmup_exp_decay_exp (DeepSpeed bing_bert): (t / warmup)^warmup_power during warmup, then
+  decay_rate^((t - warmup) / decay_steps).
+
+A skipped step (fp16 overflow) does not call `scheduler.step()`, so the schedule does not advance.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from bertrain.train.config import ScheduleConfig
+
+
+class LRMultiplier:
+    """Picklable multiplier f(step) -> LR / peak LR (a class, not a closure, so scheduler state saves cleanly)."""
+
+    def __init__(self, cfg: ScheduleConfig, total_steps: int) -> None:
+        if total_steps <= 0:
+            raise ValueError(f"the schedule needs a positive number of steps, got {total_steps}")
+        self.name = cfg.name
+        self.total = total_steps
+        self.warmup = min(cfg.warmup_steps(total_steps), total_steps)
+        self.power = cfg.power
+        self.end = cfg.min_lr_ratio
+        self.decay_rate = cfg.decay_rate
+        self.decay_steps = cfg.decay_steps
+        self.warmup_power = cfg.warmup_power
+
+    def __call__(self, step: int) -> float:
+        if self.name == "warmup_exp_decay_exp":
+            if step < self.warmup:
+                return ((step + 1) / self.warmup) ** self.warmup_power
+            return self.decay_rate ** ((step - self.warmup) / self.decay_steps)
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.name == "constant":
+            return 1.0
+        p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.name == "linear":
+            shape = 1.0 - p
+        elif self.name == "poly":
+            shape = (1.0 - p) ** self.power
+        elif self.name == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * p))
+        else:
+            raise ValueError(f"config key 'schedule.name': unknown schedule {self.name!r}")
+        return self.end + (1.0 - self.end) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LambdaLR:
+    """A LambdaLR following `cfg` over `total_steps` optimizer steps."""
+    return LambdaLR(optimizer, LRMultiplier(cfg, total_steps))
