@@ -1,0 +1,56 @@
+"""`bertrain evaluate squad`: the official SQuAD v1.1 / v2.0 numbers for any predictions file, as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "score predictions with the official SQuAD v1.1/v2.0 evaluation (prints JSON)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="eval_task", metavar="TASK", required=True)
+    p = sub.add_parser("squad", help="official evaluate-v1.1.py / evaluate-v2.0.py numbers",
+                       description="Prints evaluate-v1.1.py's {exact_match, f1} for v1.1 data, or evaluate-v2.0.py's "
+                                   "dict (exact, f1, total, HasAns_*, NoAns_*, best_* with --na-prob-file) for v2.0.")
+    p.add_argument("--data", required=True, help="SQuAD JSON file with the gold answers")
+    p.add_argument("--predictions", required=True, help="JSON object {question id: answer text}")
+    p.add_argument("--na-prob-file", default=None,
+                   help="v2.0: JSON {question id: no-answer score}, e.g. null_odds.json (enables best_* thresholds)")
+    p.add_argument("--na-prob-thresh", type=float, default=1.0,
+                   help="v2.0: predict no answer when the na-prob exceeds this (default 1.0, as the official script)")
+    p.add_argument("--version", choices=["1.1", "2.0"], default=None,
+                   help="which official script to follow (default: from the data file)")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def _read_json_object(path: str, what: str) -> dict:
+    from bertrain.tasks.squad import _load_json
+
+    data = _load_json(Path(path))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the {what} file must be a JSON object {{question id: ...}}")
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    from bertrain.tasks.metrics import evaluate_squad
+    from bertrain.tasks.squad import load_dataset_json
+    from bertrain.utils.io import atomic_write_json
+
+    dataset = load_dataset_json(args.data)
+    preds = _read_json_object(args.predictions, "predictions")
+    for qid, text in preds.items():
+        if not isinstance(text, str):
+            raise ValueError(f"{args.predictions}: prediction for question id {qid} is not a string: {text!r}")
+    na_probs = None
+    if args.na_prob_file:
+        na_probs = _read_json_object(args.na_prob_file, "na-prob")
+        for qid, v in na_probs.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{args.na_prob_file}: value for question id {qid} is not a number: {v!r}")
+    result = evaluate_squad(dataset, preds, na_probs, version=args.version, na_prob_thresh=args.na_prob_thresh)
+    print(json.dumps(result, indent=2))
+    if args.output:
+        atomic_write_json(args.output, result)
+    return 0
