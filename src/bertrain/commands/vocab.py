@@ -1,0 +1,28 @@
+"""`bertrain vocab`: train a WordPiece vocab.txt on any corpus `prepare` reads."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="files, folders, globs or builtin:python-docs")
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder to write vocab.txt into")
+    parser.add_argument("--vocab-size", type=int, default=30522, help="number of tokens (default 30522)")
+    parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lower-case)")
+    parser.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency to merge (default 2)")
+    parser.add_argument("--limit-alphabet", type=int, default=1000, help="maximum initial characters kept")
+    parser.add_argument("--input-format", default="auto", choices=["auto", "wiki", "text", "lines", "jsonl"])
+    parser.add_argument("--text-field", default="text", help="JSONL key holding the text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bertrain.data.tokenizer import tokenizer_identity, train_vocab
+
+    path = train_vocab(args.input, args.output, vocab_size=args.vocab_size, lowercase=not args.cased,
+                       min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet,
+                       corpus_options={"input_format": args.input_format, "text_field": args.text_field})
+    print(f"{path}\t{tokenizer_identity(path, not args.cased)}")
+    return 0

@@ -1,0 +1,625 @@
+"""Corpus readers and cleaning: raw inputs -> documents -> cleaned sentences.
+
+Inputs (`resolve_inputs`): files, folders (recursive, sorted), globs, and `builtin:python-docs` (the English text
+of Python's own reference documentation, `pydoc_data.topics`, present on every Python installation). The format
+is chosen by suffix unless `CorpusOptions.input_format` says otherwise; `.bz2`, `.gz` and `.xz` are decompressed
+on the fly:
+
+* `wiki`  (`.xml`, `.xml.bz2`, multistream too): MediaWiki XML dumps; markup stripped with mwparserfromhell
+  (templates, tables, references, files, categories removed; links -> their text); redirects, non-article
+  namespaces and (by default) disambiguation pages skipped; each article is a document, each line a paragraph.
+* `text`  (`.txt` and anything else): documents separated by blank lines (a file without blank lines is one
+  document); single newlines inside a document are soft (verse, wrapped paragraphs).
+* `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
+* `jsonl` (`.jsonl`, `.json`): one JSON object per line, the text in `text_field`.
+
+Reading is streaming (memory does not grow with the corpus). Every problem with the input — invalid UTF-8,
+empty files, over-long lines, truncated compressed files, bad JSON lines — is counted per file in a `SkipReport`
+and logged with the file name, instead of aborting a long run or passing silently.
+
+Cleaning (`clean_document`, run in the worker processes of `prepare`): markup stripping, NFC normalisation,
+control-character removal, sentence splitting (`split_sentences`).
+"""
+from __future__ import annotations
+
+import bz2
+import codecs
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import logging
+import lzma
+import os
+import re
+import unicodedata
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator, Literal
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PYTHON_DOCS = "builtin:python-docs"
+InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl"]
+
+# Lines longer than this are cut into pieces (at whitespace where possible): a 10 MB line without a newline would
+# otherwise become one 10 MB "sentence" (and one huge string per worker task).
+MAX_LINE_CHARS = 1 << 20
+# A "sentence" longer than this (no punctuation for pages) is cut at whitespace: BERT sees at most 512 tokens anyway.
+MAX_SENTENCE_CHARS = 4000
+
+
+@dataclass
+class CorpusOptions:
+    """How inputs are read and cleaned (shared by `bertrain vocab` and `bertrain prepare`)."""
+
+    input_format: InputFormat = "auto"
+    """Input format for every input: auto (by suffix), wiki, text, lines, jsonl."""
+    text_field: str = "text"
+    """JSONL: the key holding a document's text."""
+    min_document_chars: int = 20
+    """Documents with fewer characters after cleaning are skipped (counted in the report)."""
+    dedupe: bool = False
+    """Skip exact duplicate documents (by a hash of their raw text)."""
+    skip_disambiguation: bool = True
+    """Wikipedia: skip disambiguation pages (title '(disambiguation)' or a disambiguation template)."""
+
+    def __post_init__(self) -> None:
+        if self.min_document_chars < 0:
+            raise ValueError(f"min_document_chars must be >= 0, got {self.min_document_chars}")
+        if not self.text_field:
+            raise ValueError("text_field must not be empty")
+
+
+@dataclass
+class RawDocument:
+    """A document as read, before cleaning. `kind` picks the cleaning rules (wiki, text, lines, paragraphs)."""
+
+    text: str
+    kind: str
+    source: str
+
+
+@dataclass
+class Document:
+    """A cleaned document: its sentences (non-empty, stripped) and where it came from."""
+
+    sentences: list[str]
+    source: str
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.sentences)
+
+
+@dataclass
+class SkipReport:
+    """Counts of what was read and what was skipped, per file: logged at the end and stored in stats.json."""
+
+    documents: int = 0
+    files: int = 0
+    input_bytes: int = 0
+    counts: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+
+    def add(self, source: str, what: str, n: int = 1) -> None:
+        self.counts[source][what] += n
+
+    def merge(self, other: "SkipReport") -> None:
+        self.documents += other.documents
+        for src, c in other.counts.items():
+            self.counts[src].update(c)
+
+    def totals(self) -> dict[str, int]:
+        out: Counter = Counter()
+        for c in self.counts.values():
+            out.update(c)
+        return dict(sorted(out.items()))
+
+    def problems(self) -> dict[str, dict[str, int]]:
+        """Per file, the counts that mean something was lost or repaired (everything but plain tallies)."""
+        tallies = {"wiki_pages", "wiki_articles"}
+        return {src: {k: v for k, v in sorted(c.items()) if k not in tallies and v}
+                for src, c in sorted(self.counts.items()) if any(k not in tallies and v for k, v in c.items())}
+
+    def summary(self) -> str:
+        t = self.totals()
+        return f"{self.files} files, {self.input_bytes} bytes, {self.documents} documents kept; " + \
+            (", ".join(f"{k}={v}" for k, v in t.items()) or "nothing skipped")
+
+    def log(self, log: logging.Logger) -> None:
+        for src, c in self.problems().items():
+            log.warning("%s: %s", src, ", ".join(f"{k}={v}" for k, v in c.items()))
+        log.info("read %s", self.summary())
+
+    def to_dict(self) -> dict:
+        return {"files": self.files, "input_bytes": self.input_bytes, "documents": self.documents,
+                "totals": self.totals(), "problems": self.problems()}
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+def resolve_inputs(inputs: list[str]) -> list[str]:
+    """Expand folders (recursively, sorted) and globs into files; keep `builtin:` names. Missing input = error."""
+    out: list[str] = []
+    for spec in inputs:
+        spec = str(spec)
+        if spec.startswith("builtin:"):
+            if spec != BUILTIN_PYTHON_DOCS:
+                raise ValueError(f"unknown built-in corpus {spec!r}; available: {BUILTIN_PYTHON_DOCS}")
+            out.append(spec)
+        elif any(ch in spec for ch in "*?["):
+            matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise ValueError(f"input glob {spec!r} matches no files")
+            out.extend(matches)
+        elif os.path.isdir(spec):
+            files = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise ValueError(f"input folder {spec} contains no files")
+            out.extend(files)
+        elif os.path.isfile(spec):
+            out.append(spec)
+        else:
+            raise ValueError(f"input {spec} does not exist (give files, folders, globs or {BUILTIN_PYTHON_DOCS})")
+    return out
+
+
+def detect_format(path: str) -> str:
+    name = path.lower()
+    for ext in (".bz2", ".gz", ".xz"):
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    if name.endswith(".xml"):
+        return "wiki"
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    return "text"
+
+
+def _open_binary(path: str) -> IO[bytes]:
+    name = path.lower()
+    if name.endswith(".bz2"):
+        return bz2.open(path, "rb")  # reads multistream files (Wikipedia's *-multistream.xml.bz2) too
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".xz"):
+        return lzma.open(path, "rb")
+    return open(path, "rb")
+
+
+class _CountingReader(io.RawIOBase):
+    """Wraps a binary stream; counts bytes read (the uncompressed input size) and turns a truncated compressed
+    stream into a clean end of file, remembering that it happened."""
+
+    def __init__(self, raw: IO[bytes]):
+        self.raw = raw
+        self.nbytes = 0
+        self.truncated: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        if self.truncated:
+            return 0
+        try:
+            data = self.raw.read(len(b))
+        except (EOFError, OSError, lzma.LZMAError) as e:  # bz2/gzip/lzma raise these on a cut-off file
+            self.truncated = f"{type(e).__name__}: {e}"
+            return 0
+        n = len(data)
+        b[:n] = data
+        self.nbytes += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _text_lines(reader: _CountingReader, source: str, report: SkipReport) -> Iterator[str]:
+    """Decode UTF-8 line by line; invalid bytes become U+FFFD (counted), over-long lines are cut (counted)."""
+    buffered = io.BufferedReader(reader, buffer_size=1 << 20)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    while True:
+        line = buffered.readline(MAX_LINE_CHARS)
+        if not line:
+            break
+        if len(line) >= MAX_LINE_CHARS and not line.endswith(b"\n"):
+            report.add(source, "long_line_pieces")
+            # Cut at the last whitespace so a word is not split; the remainder starts the next piece.
+            cut = max(line.rfind(b" "), line.rfind(b"\t"))
+            if cut > MAX_LINE_CHARS // 2:
+                rest = line[cut + 1:]
+                line = line[:cut] + b"\n"
+                buffered = _Prepend(rest, buffered)
+        text = decoder.decode(line)
+        if "\ufffd" in text:
+            bad = text.count("\ufffd")
+            report.add(source, "invalid_utf8_sequences", bad)
+        yield text
+
+
+class _Prepend:
+    """A tiny readline() source: `head` bytes first, then `rest` (for cutting over-long lines)."""
+
+    def __init__(self, head: bytes, rest):
+        self.head = head
+        self.rest = rest
+
+    def readline(self, limit: int) -> bytes:
+        if self.head:
+            nl = self.head.find(b"\n")
+            if 0 <= nl < limit:
+                out, self.head = self.head[: nl + 1], self.head[nl + 1:]
+                return out
+            if len(self.head) >= limit:
+                out, self.head = self.head[:limit], self.head[limit:]
+                return out
+            out, self.head = self.head, b""
+            return out + self.rest.readline(limit - len(out))
+        return self.rest.readline(limit)
+
+
+def _read_text(path: str, kind: str, report: SkipReport) -> Iterator[RawDocument]:
+    """Blank-line separated documents (`text`, `lines`)."""
+    with _CountingReader(_open_binary(path)) as reader:
+        buf: list[str] = []
+        for line in _text_lines(reader, path, report):
+            if line.strip():
+                buf.append(line)
+            elif buf:
+                yield RawDocument("".join(buf), kind, path)
+                buf = []
+        if buf:
+            yield RawDocument("".join(buf), kind, path)
+        report.input_bytes += reader.nbytes
+        if reader.nbytes == 0:
+            report.add(path, "empty_files")
+        if reader.truncated:
+            report.add(path, "truncated_files")
+            logger.warning("%s is truncated (%s); kept what was read before the cut", path, reader.truncated)
+
+
+def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawDocument]:
+    with _CountingReader(_open_binary(path)) as reader:
+        for lineno, line in enumerate(_text_lines(reader, path, report), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                report.add(path, "bad_json_lines")
+                if report.counts[path]["bad_json_lines"] <= 3:
+                    logger.warning("%s line %d is not valid JSON; skipped", path, lineno)
+                continue
+            text = obj.get(text_field) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                report.add(path, f"lines_without_{text_field}")
+                continue
+            yield RawDocument(text, "text", path)
+        report.input_bytes += reader.nbytes
+        if reader.nbytes == 0:
+            report.add(path, "empty_files")
+        if reader.truncated:
+            report.add(path, "truncated_files")
+            logger.warning("%s is truncated (%s); kept what was read before the cut", path, reader.truncated)
+
+
+_DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set index[^}|]*|[^}|]*disambiguation)\s*[|}]",
+                       re.IGNORECASE)
+
+
+def _read_wiki(path: str, opts: CorpusOptions, report: SkipReport) -> Iterator[RawDocument]:
+    """Stream pages out of a MediaWiki XML dump (expat via iterparse; elements are freed as we go)."""
+    reader = _CountingReader(_open_binary(path))
+    try:
+        context = ET.iterparse(io.BufferedReader(reader, buffer_size=1 << 20), events=("start", "end"))
+        root = None
+        title = ns = text = None
+        redirect = False
+        try:
+            for event, elem in context:
+                tag = elem.tag.rsplit("}", 1)[-1]
+                if event == "start":
+                    if root is None:
+                        root = elem
+                    if tag == "page":
+                        title, ns, text, redirect = None, None, None, False
+                    continue
+                if tag == "title":
+                    title = elem.text or ""
+                elif tag == "ns":
+                    ns = (elem.text or "").strip()
+                elif tag == "redirect":
+                    redirect = True
+                elif tag == "text":
+                    text = elem.text or ""
+                elif tag == "page":
+                    report.add(path, "wiki_pages")
+                    if ns not in (None, "0"):
+                        report.add(path, "wiki_non_article_namespace")
+                    elif redirect or (text or "").lstrip()[:9].lower() == "#redirect":
+                        report.add(path, "wiki_redirects")
+                    elif not text:
+                        report.add(path, "wiki_empty_pages")
+                    else:
+                        report.add(path, "wiki_articles")
+                        if opts.skip_disambiguation and ("(disambiguation)" in (title or "") or _DISAMBIG.search(text)):
+                            report.add(path, "wiki_disambiguation")
+                        else:
+                            yield RawDocument(text, "wiki", f"{path}#{title}")
+                    root.clear()  # free the finished page (memory flat in the dump size)
+        except ET.ParseError as e:
+            if reader.truncated or "no element found" in str(e) or "unclosed token" in str(e):
+                reader.truncated = reader.truncated or f"XML ends early: {e}"
+            else:
+                raise ValueError(f"{path} is not a valid MediaWiki XML dump: {e}") from None
+    finally:
+        reader.close()
+    report.input_bytes += reader.nbytes
+    if reader.nbytes == 0:
+        report.add(path, "empty_files")
+    if reader.truncated:
+        report.add(path, "truncated_files")
+        logger.warning("%s is truncated (%s); kept the %d complete pages before the cut", path, reader.truncated,
+                       report.counts[path]["wiki_pages"])
+
+
+def _read_builtin_python_docs(report: SkipReport) -> Iterator[RawDocument]:
+    from pydoc_data.topics import topics  # shipped with CPython: ~465 KB of English reference text
+
+    for name in sorted(topics):
+        text = topics[name]
+        report.input_bytes += len(text.encode("utf-8"))
+        yield RawDocument(text, "paragraphs", f"{BUILTIN_PYTHON_DOCS}#{name}")
+
+
+def iter_raw_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport) -> Iterator[RawDocument]:
+    """Every raw document of every input, in a deterministic order (inputs as given, folders sorted)."""
+    for path in resolve_inputs(inputs):
+        report.files += 1
+        if path == BUILTIN_PYTHON_DOCS:
+            yield from _read_builtin_python_docs(report)
+            continue
+        fmt = opts.input_format if opts.input_format != "auto" else detect_format(path)
+        if fmt == "wiki":
+            yield from _read_wiki(path, opts, report)
+        elif fmt == "jsonl":
+            yield from _read_jsonl(path, opts.text_field, report)
+        else:
+            yield from _read_text(path, fmt, report)
+
+
+def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport) -> Iterator[Document]:
+    """Read, clean and split in this process (for `bertrain vocab`; `prepare` cleans in worker processes)."""
+    seen: set[bytes] | None = set() if opts.dedupe else None
+    for raw in iter_raw_documents(inputs, opts, report):
+        if seen is not None:
+            h = doc_hash(raw.text)
+            if h in seen:
+                report.add(raw.source.split("#")[0], "duplicate_documents")
+                continue
+            seen.add(h)
+        sentences = clean_document(raw.text, raw.kind)
+        if sum(map(len, sentences)) < max(1, opts.min_document_chars):
+            report.add(raw.source.split("#")[0], "short_documents")
+            continue
+        report.documents += 1
+        yield Document(sentences, raw.source)
+
+
+def doc_hash(text: str) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+
+
+# ----------------------------------------------------------------------------------------------- cleaning
+
+# C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
+_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+def normalize_text(text: str) -> str:
+    """NFC normalisation, control characters removed, runs of spaces collapsed (newlines kept)."""
+    text = unicodedata.normalize("NFC", text)
+    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    return _SPACES.sub(" ", text)
+
+
+# Decoration lines (reST/Markdown underlines, "*****" separators) are not sentences.
+_RULE_LINE = re.compile(r"^[ \t]*([*=~^#_+-])\1{3,}[ \t]*$", re.MULTILINE)
+
+
+def clean_document(text: str, kind: str) -> list[str]:
+    """Raw document text -> cleaned sentences, by the rules of its `kind`."""
+    if kind == "wiki":
+        text = strip_wiki_markup(text)
+    text = _RULE_LINE.sub("", normalize_text(text))
+    if kind == "lines":  # one sentence per line already
+        return [s for s in (line.strip() for line in text.split("\n")) if s]
+    if kind == "wiki":  # every line is a paragraph
+        paragraphs = text.split("\n")
+    else:  # blank lines separate paragraphs; single newlines are soft
+        paragraphs = re.split(r"\n\s*\n", text)
+    out: list[str] = []
+    for p in paragraphs:
+        p = p.replace("\n", " ").strip()
+        if p:
+            out.extend(split_sentences(p))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- sentences
+
+# Why a hand-written splitter: pysbd (the maintained rule-based splitter that works offline) segments 86 KB/s
+# here (measured on Tiny Shakespeare), 70x slower than the 6 MB/s this pipeline targets; NLTK punkt needs data
+# that cannot be downloaded here. This regex + abbreviation check runs at ~30 MB/s (see BENCHMARKS.md) and
+# handles what matters for BERT's sentence-pair task: ., ! and ? followed by space and an upper-case letter,
+# digit or opening quote, except after common abbreviations, initials (J. R. R.) and dotted acronyms (U.S.).
+_CANDIDATE = re.compile(r"[.!?\u2026]+[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de])")
+_ABBREVIATIONS = frozenset("""
+mr mrs ms dr prof sr jr st mt ft rev gen col lt sgt capt cmdr adm gov sen rep pres hon fr
+no nos vol vols fig figs eq eqs ch chap sec art p pp ed eds op cit cf ca approx est dept univ inc ltd co corp bros
+jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
+vs etc al e.g i.e viz e.g. i.e. a.m p.m u.s u.k
+""".split())
+
+
+def split_sentences(paragraph: str, max_chars: int = MAX_SENTENCE_CHARS) -> list[str]:
+    """Split one paragraph (no newlines) into sentences; sentences longer than `max_chars` are cut at spaces."""
+    out: list[str] = []
+    start = 0
+    for m in _CANDIDATE.finditer(paragraph):
+        end = m.start(1)
+        punct = paragraph[m.start():end].rstrip("\"'\u2019\u201d)]")
+        if punct == ".":  # only a single '.' can end an abbreviation
+            ws = paragraph.rfind(" ", start, m.start())
+            word = paragraph[ws + 1: m.start()].lstrip("\"'(\u2018\u201c[")
+            low = word.lower()
+            if low in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or ("." in word and len(word) <= 8):
+                continue
+        out.append(paragraph[start:end])
+        start = m.end()
+    out.append(paragraph[start:])
+    result: list[str] = []
+    for s in out:
+        s = s.strip()
+        while len(s) > max_chars:
+            cut = s.rfind(" ", max_chars // 2, max_chars)
+            cut = cut if cut > 0 else max_chars
+            result.append(s[:cut].strip())
+            s = s[cut:].strip()
+        if s:
+            result.append(s)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- wiki markup
+
+_DROP_TAGS = frozenset("""ref references table gallery math chem ce score timeline imagemap graph mapframe
+maplink syntaxhighlight source pre code templatedata templatestyles hiero inputbox categorytree poem
+nowiki noinclude includeonly onlyinclude div span sup sub small big center font""".split()) - {
+    "span", "sup", "sub", "small", "big", "center", "font", "nowiki", "div", "poem"}
+_KEEP_CONTENT_TAGS = frozenset("b i u s strong em span small big sup sub center font abbr cite q nowiki div poem "
+                               "blockquote li dd dt p tt var kbd".split())
+_DROP_SECTIONS = frozenset({"references", "external links", "see also", "further reading", "notes", "bibliography",
+                            "sources", "footnotes", "citations", "notes and references", "works cited"})
+_LINK_DROP_PREFIXES = ("file:", "image:", "category:", "media:", "wikt:", "wiktionary:", "s:", "commons:")
+_INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
+_LEFTOVER_REF = re.compile(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>|</?ref[^>]*>", re.IGNORECASE | re.DOTALL)
+_LEFTOVER_TAG = re.compile(r"</?[a-zA-Z][^<>]{0,200}>")
+_LEFTOVER_MARKUP = re.compile(r"\{\{|\}\}|\[\[|\]\]|\{\||\|\}|'{2,}")
+_TABLE_LINE = re.compile(r"^\s*(\{\||\|\}|\|-|\||!)")
+
+
+_PRE_COMMENT = re.compile(r"<!--.*?(-->|$)", re.DOTALL)
+_PRE_REF = re.compile(r"<ref\b[^>]*/>|<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
+_BRACES = re.compile(r"\{\{|\}\}")
+
+
+def _remove_templates(text: str) -> str:
+    """Drop balanced {{...}} spans (templates carry no running text) with one C-regex scan.
+
+    Why before mwparserfromhell: templates and citation references are most of an article's markup, and building
+    their node trees in mwparserfromhell's Python builder was ~60% of the cleaning time (profiled on the shared
+    Wikipedia sample); removing them first roughly halves the cost of `strip_wiki_markup`.
+    """
+    out: list[str] = []
+    depth = 0
+    last = 0
+    for m in _BRACES.finditer(text):
+        if m.group() == "{{":
+            if depth == 0:
+                out.append(text[last:m.start()])
+            depth += 1
+        elif depth:
+            depth -= 1
+            if depth == 0:
+                last = m.end()
+    if depth == 0:
+        out.append(text[last:])
+    return "".join(out)
+
+
+def strip_wiki_markup(wikitext: str) -> str:
+    """MediaWiki markup -> plain text, one paragraph per line (headings and tail sections dropped)."""
+    import mwparserfromhell
+
+    wikitext = _remove_templates(_PRE_REF.sub("", _PRE_COMMENT.sub("", wikitext)))
+    code = mwparserfromhell.parse(wikitext, skip_style_tags=True)
+    parts: list[str] = []
+    skip_level = 0  # > 0 while inside a dropped section (References, See also, ...) of that heading level
+    for node in code.nodes:
+        if isinstance(node, mwparserfromhell.nodes.Heading):
+            title = _render(node.title).strip().lower()
+            if skip_level and node.level > skip_level:
+                continue
+            skip_level = node.level if title in _DROP_SECTIONS else 0
+            parts.append("\n")
+            continue
+        if not skip_level:
+            parts.append(_render_node(node))
+    text = "".join(parts)
+    # Safety net for malformed markup mwparserfromhell leaves as text (unbalanced braces, stray tags).
+    text = _LEFTOVER_REF.sub("", text)
+    text = _LEFTOVER_TAG.sub("", text)
+    lines = []
+    for line in text.split("\n"):
+        if _TABLE_LINE.match(line):
+            continue
+        line = _LEFTOVER_MARKUP.sub("", line).strip()
+        if line.startswith(("*", "#", ":", ";")):
+            line = line.lstrip("*#:; ")
+        if line:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _render(code) -> str:
+    return "".join(_render_node(n) for n in code.nodes)
+
+
+def _render_node(node) -> str:
+    import mwparserfromhell.nodes as N
+
+    if isinstance(node, N.Text):
+        return node.value
+    if isinstance(node, N.Wikilink):
+        title = str(node.title).strip()
+        low = title.lower()
+        if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
+            return ""
+        if node.text is not None:
+            return _render(node.text)
+        return title.lstrip(":").split("#")[0] if not title.startswith("#") else title[1:]
+    if isinstance(node, N.Tag):
+        if node.wiki_markup == "{|":
+            return ""
+        tag = str(node.tag).strip().lower()
+        if tag == "br":
+            return " "
+        if tag in _DROP_TAGS or node.contents is None or node.self_closing:
+            return ""
+        if tag in _KEEP_CONTENT_TAGS or node.wiki_markup:
+            return _render(node.contents)
+        return ""
+    if isinstance(node, N.ExternalLink):
+        return _render(node.title) if node.title is not None else ""
+    if isinstance(node, N.HTMLEntity):
+        try:
+            return node.normalize()
+        except (ValueError, OverflowError):
+            return ""
+    # Templates, comments, parser arguments, headings inside tags: no running text.
+    return ""
+
+
+def options_from_dict(d: dict) -> CorpusOptions:
+    names = {f.name for f in dataclasses.fields(CorpusOptions)}
+    return CorpusOptions(**{k: v for k, v in d.items() if k in names})

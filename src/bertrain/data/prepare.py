@@ -1,0 +1,399 @@
+"""`prepare`: corpora -> token store (+ static instances), streaming, on every core, atomic and resumable.
+
+Stage 1 (tokenize): the main process reads raw documents (decompression, XML parsing, optional de-duplication)
+and cuts them into ~1 MB chunks; a pool of worker processes cleans, sentence-splits and tokenizes each chunk
+(HF `tokenizers`, batched); the main process appends results, in input order, to the current shard and closes it
+atomically when it reaches `shard_tokens`. Memory is bounded by the shard size and the pool's queue, not by the
+corpus.
+
+Stage 2 (`masking="static"`): `dupe_factor` x blocks instance rows, built in parallel by the vectorised
+`InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1) and written to one fixed-width file.
+
+Everything is built in `OUTPUT.partial/`, renamed to `OUTPUT` only when complete (with `stats.json` written last).
+`progress.json` records the finished shards; a re-run of the same command after a kill skips the chunks already
+in finished shards (their input is re-read, not re-processed). A different command discards the partial folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+
+from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_document, doc_hash,
+                                  iter_raw_documents, resolve_inputs)
+from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
+from bertrain.data.tokenizer import load_tokenizer, read_vocab, tokenizer_identity
+from bertrain.utils.io import _fsync_dir, atomic_write_json
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareConfig:
+    """Settings of `bertrain prepare` (names follow google-research/bert's create_pretraining_data.py)."""
+
+    inputs: list[str] = field(default_factory=list)
+    """Input files, folders, globs or builtin:python-docs."""
+    output: str = ""
+    """Output folder (built as OUTPUT.partial and renamed when complete)."""
+    vocab_file: str = ""
+    """WordPiece vocab.txt (from `bertrain vocab` or a pretrained model)."""
+    max_seq_length: int = 128
+    """Static instances: tokens per sample."""
+    max_predictions_per_seq: int = 20
+    """Static instances: maximum masked positions per sample."""
+    masked_lm_prob: float = 0.15
+    """Fraction of tokens to mask."""
+    short_seq_prob: float = 0.1
+    """Probability of a shorter target length for a block."""
+    dupe_factor: int = 5
+    """Static instances: number of differently masked copies of the corpus."""
+    masking: Literal["static", "dynamic", "none"] = "static"
+    """static: also materialise instances; dynamic/none: token store only (samples are built at training time)."""
+    do_lower_case: bool = True
+    """Lower-case (and strip accents) before WordPiece: must match the vocab."""
+    random_seed: int = 12345
+    """Seed of blocks, masking and NSP pairing."""
+    workers: int = 0
+    """Worker processes (0 = every core)."""
+    whole_word_masking: bool = False
+    """Static instances: mask whole words."""
+    next_sentence: bool = True
+    """Static instances: NSP pairs; false = MLM-only packing of full sentences."""
+    overwrite: bool = False
+    """Replace an existing output folder."""
+    input_format: InputFormat = "auto"
+    """Format of every input: auto (by suffix), wiki, text, lines, jsonl."""
+    text_field: str = "text"
+    """JSONL: key of the text."""
+    min_document_chars: int = 20
+    """Skip documents shorter than this after cleaning."""
+    dedupe: bool = False
+    """Skip exact duplicate documents."""
+    skip_disambiguation: bool = True
+    """Wikipedia: skip disambiguation pages."""
+    shard_tokens: int = 1 << 25
+    """Tokens per shard (32M tokens = 64 MB with a < 65536 vocab)."""
+    chunk_bytes: int = 1 << 20
+    """Text per worker task."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not self.inputs:
+            errors.append("inputs: give at least one input")
+        if not self.output:
+            errors.append("output: required")
+        if not self.vocab_file:
+            errors.append("vocab_file: required")
+        if self.dupe_factor < 1:
+            errors.append(f"dupe_factor must be >= 1, got {self.dupe_factor}")
+        if self.workers < 0:
+            errors.append(f"workers must be >= 0, got {self.workers}")
+        if self.shard_tokens < 1 or self.chunk_bytes < 1:
+            errors.append("shard_tokens and chunk_bytes must be positive")
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.sample_config()  # validates lengths and probabilities
+
+    def sample_config(self):
+        from bertrain.data.pretraining import SampleConfig
+
+        return SampleConfig(self.max_seq_length, self.max_predictions_per_seq, self.masked_lm_prob,
+                            self.short_seq_prob, self.whole_word_masking, self.next_sentence, self.random_seed)
+
+    def corpus_options(self) -> CorpusOptions:
+        return CorpusOptions(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
+                             self.skip_disambiguation)
+
+
+# ----------------------------------------------------------------------------------------------- workers
+
+_W: dict[str, Any] = {}
+
+
+def _init_tokenize_worker(vocab_file: str, lower: bool, min_chars: int, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
+    _W.update(tok=load_tokenizer(vocab_file, lower), min_chars=max(1, min_chars), dtype=np.dtype(dtype))
+
+
+def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict, int]:
+    """Clean, split and tokenize a chunk of raw documents -> (ids, sentence lengths, sentences per doc, skips,
+    cleaned text bytes)."""
+    tok = _W["tok"]
+    sentences: list[str] = []
+    per_doc: list[int] = []
+    skipped: dict[str, Counter] = defaultdict(Counter)
+    for text, kind, source in docs:
+        sents = clean_document(text, kind)
+        if sum(map(len, sents)) < _W["min_chars"]:
+            skipped[source.split("#")[0]]["short_documents"] += 1
+            continue
+        sentences.extend(sents)
+        per_doc.append(len(sents))
+    text_bytes = sum(len(s.encode("utf-8")) for s in sentences) + len(sentences)
+    if not sentences:
+        return np.zeros(0, _W["dtype"]), np.zeros(0, np.int64), np.zeros(0, np.int64), dict(skipped), 0
+    encs = tok.encode_batch_fast(sentences, add_special_tokens=False)
+    lens = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
+    ids = np.fromiter((i for e in encs for i in e.ids), _W["dtype"], count=int(lens.sum()))
+    doc_of = np.repeat(np.arange(len(per_doc)), per_doc)
+    keep = lens > 0  # a sentence of only control/unknown-free whitespace gives no ids
+    counts = np.bincount(doc_of[keep], minlength=len(per_doc))
+    empty_docs = int((counts == 0).sum())
+    if empty_docs:
+        skipped["(all inputs)"]["documents_without_tokens"] += empty_docs
+    return ids, lens[keep], counts[counts > 0], {k: dict(v) for k, v in skipped.items()}, text_bytes
+
+
+def _init_static_worker(data_dir: str, sample_cfg: dict) -> None:
+    from bertrain.data.pretraining import InstanceBuilder, SampleConfig
+
+    _W["builder"] = InstanceBuilder(TokenStore(data_dir, verify=False, require_complete=False),
+                                    SampleConfig(**sample_cfg))
+
+
+def _static_rows(task: tuple[int, int, int, str]) -> np.ndarray:
+    epoch, lo, hi, dtype = task
+    return _W["builder"].build(epoch, np.arange(lo, hi)).astype(dtype)
+
+
+def _pool(workers: int, initializer, initargs):
+    """A process pool (fork where available: workers start in milliseconds), or None for one worker."""
+    if workers <= 1:
+        initializer(*initargs)
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    return ctx.Pool(workers, initializer=initializer, initargs=initargs)
+
+
+# ----------------------------------------------------------------------------------------------- stage 1
+
+def _chunks(docs: Iterator[RawDocument], chunk_bytes: int, dedupe: bool,
+            report: SkipReport) -> Iterator[list[tuple[str, str, str]]]:
+    seen: set[bytes] = set()
+    chunk: list[tuple[str, str, str]] = []
+    size = 0
+    for d in docs:
+        if dedupe:
+            h = doc_hash(d.text)
+            if h in seen:
+                report.add(d.source.split("#")[0], "duplicate_documents")
+                continue
+            seen.add(h)
+        chunk.append((d.text, d.kind, d.source))
+        size += len(d.text)
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _fingerprint(cfg: PrepareConfig, identity: str) -> dict[str, Any]:
+    files = []
+    for p in resolve_inputs(cfg.inputs):
+        if os.path.isfile(p):
+            st = os.stat(p)
+            files.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
+        else:
+            files.append([p])
+    keys = ("input_format", "text_field", "min_document_chars", "dedupe", "skip_disambiguation", "shard_tokens",
+            "chunk_bytes", "do_lower_case")
+    return {"inputs": files, "tokenizer": identity, **{k: getattr(cfg, k) for k in keys}}
+
+
+def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int) -> dict[str, Any]:
+    vocab = read_vocab(cfg.vocab_file)
+    dtype = token_dtype(len(vocab))
+    fp = _fingerprint(cfg, identity)
+    progress_path = work / "progress.json"
+    progress: dict[str, Any] = {"fingerprint": fp, "chunks_done": 0, "shards": [], "worker_skips": {},
+                                "text_bytes": 0}
+    if progress_path.is_file():
+        old = json.loads(progress_path.read_text(encoding="utf-8"))
+        if old.get("fingerprint") == fp:
+            progress = old
+            logger.info("resuming %s: %d shards (%d chunks) already done", work, len(old["shards"]),
+                        old["chunks_done"])
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    for f in (work / "shards").iterdir():  # shards not recorded as finished are redone
+        if f.name not in {s["file"] for s in progress["shards"]}:
+            f.unlink()
+
+    report = SkipReport()
+    opts = cfg.corpus_options()
+    chunks = _chunks(iter_raw_documents(cfg.inputs, opts, report), cfg.chunk_bytes, cfg.dedupe, report)
+    skips: dict[str, Counter] = defaultdict(Counter, {k: Counter(v) for k, v in progress["worker_skips"].items()})
+    text_bytes = progress["text_bytes"]
+    done = progress["chunks_done"]
+
+    def todo() -> Iterator[list[tuple[str, str, str]]]:
+        for i, c in enumerate(chunks):
+            if i >= done:
+                yield c
+
+    writer: ShardWriter | None = None
+    chunk_idx = done
+    pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.min_document_chars,
+                                                  dtype.name))
+    try:
+        results = pool.imap(_tokenize_chunk, todo()) if pool else map(_tokenize_chunk, todo())
+        last_log = time.monotonic()
+        for ids, lens, counts, chunk_skips, nbytes in results:
+            chunk_idx += 1
+            text_bytes += nbytes
+            for src, c in chunk_skips.items():
+                skips[src].update(c)
+            if len(counts):
+                if writer is None:
+                    writer = ShardWriter(work / "shards" / f"shard-{len(progress['shards']):05d}.bts", dtype)
+                writer.add(ids, lens, counts)
+            if writer is not None and writer.n_tokens >= cfg.shard_tokens:
+                progress["shards"].append(writer.close())
+                writer = None
+                progress.update(chunks_done=chunk_idx, text_bytes=text_bytes,
+                                worker_skips={k: dict(v) for k, v in skips.items()})
+                atomic_write_json(progress_path, progress)
+            if time.monotonic() - last_log > 10:
+                last_log = time.monotonic()
+                logger.info("tokenized %.1f MB of text in %d chunks", text_bytes / 1e6, chunk_idx)
+        if writer is not None:
+            progress["shards"].append(writer.close())
+            writer = None
+        progress.update(chunks_done=chunk_idx, text_bytes=text_bytes,
+                        worker_skips={k: dict(v) for k, v in skips.items()})
+        atomic_write_json(progress_path, progress)
+    finally:
+        if writer is not None:
+            writer.abort()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+    for src, c in skips.items():
+        for k, v in c.items():
+            report.add(src, k, v)
+    special = {t: vocab.index(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")}
+    meta = {
+        "format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer_identity": identity,
+        "do_lower_case": cfg.do_lower_case, "vocab_size": len(vocab), "dtype": dtype.name,
+        "special_ids": special, "subword_ids": [i for i, t in enumerate(vocab) if t.startswith("##")],
+        "shards": progress["shards"],
+        "num_tokens": sum(s["n_tokens"] for s in progress["shards"]),
+        "num_sentences": sum(s["n_sentences"] for s in progress["shards"]),
+        "num_documents": sum(s["n_documents"] for s in progress["shards"]),
+    }
+    shutil.copyfile(cfg.vocab_file, work / "vocab.txt")
+    atomic_write_json(work / "store.json", meta)
+    report.documents = meta["num_documents"]
+    return {"meta": meta, "report": report, "text_bytes": text_bytes}
+
+
+# ----------------------------------------------------------------------------------------------- stage 2
+
+def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers: int,
+                           require_complete: bool = True, block_batch: int = 2048) -> int:
+    """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count."""
+    from bertrain.data.pretraining import InstanceBuilder, static_dir_name, write_static_meta
+
+    out = data_dir / static_dir_name(sample_cfg, dupe_factor)
+    if (out / "instances.json").is_file():
+        meta = json.loads((out / "instances.json").read_text(encoding="utf-8"))
+        logger.info("static instances %s already complete", out.name)
+        return int(meta["num_instances"])
+    t0 = time.perf_counter()
+    store = TokenStore(data_dir, verify=False, require_complete=require_complete)
+    builder = InstanceBuilder(store, sample_cfg)  # builds and caches the blocks before workers fork
+    n_blocks = builder.n_blocks
+    dtype = np.dtype(np.uint16) if max(store.vocab_size, sample_cfg.max_seq_length) < 65536 else np.dtype(np.uint32)
+    tasks = [(d, lo, min(lo + block_batch, n_blocks), dtype.name)
+             for d in range(dupe_factor) for lo in range(0, n_blocks, block_batch)]
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".instances.bin.tmp"
+    n = 0
+    pool = _pool(workers, _init_static_worker, (str(data_dir), dataclasses.asdict(sample_cfg)))
+    try:
+        results = pool.imap(_static_rows, tasks) if pool else map(_static_rows, tasks)
+        with open(tmp, "wb") as f:
+            for rows in results:
+                f.write(rows.tobytes())
+                n += len(rows)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    os.replace(tmp, out / "instances.bin")
+    write_static_meta(out, sample_cfg, dupe_factor, n, builder.row_width, dtype, time.perf_counter() - t0)
+    _fsync_dir(out)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------- entry
+
+def prepare(cfg: PrepareConfig) -> dict[str, Any]:
+    """Run both stages; returns (and writes as OUTPUT/stats.json) the statistics."""
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise ValueError(f"output {out} already exists; pass --overwrite to replace it (the old folder is kept "
+                         f"until the new one is complete)")
+    identity = tokenizer_identity(cfg.vocab_file, cfg.do_lower_case)
+    workers = cfg.workers or os.cpu_count() or 1
+    work = out.with_name(out.name + ".partial")
+    work.mkdir(parents=True, exist_ok=True)
+    if (work / "stats.json").exists():  # a finished build that was not renamed (killed at the very end)
+        (work / "stats.json").unlink()
+
+    stage = _tokenize_stage(cfg, work, identity, workers)
+    meta, report = stage["meta"], stage["report"]
+    if meta["num_tokens"] == 0:
+        raise ValueError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
+    t_tok = time.perf_counter() - t0
+    num_instances = None
+    sample_cfg = cfg.sample_config()
+    if cfg.masking == "static":
+        num_instances = write_static_instances(work, sample_cfg, cfg.dupe_factor, workers, require_complete=False)
+    seconds = time.perf_counter() - t0
+    stats = {
+        "num_documents": meta["num_documents"], "num_sentences": meta["num_sentences"],
+        "num_tokens": meta["num_tokens"], "num_instances": num_instances, "num_shards": len(meta["shards"]),
+        "input_bytes": report.input_bytes, "text_bytes": stage["text_bytes"],
+        "seconds": round(seconds, 3), "seconds_tokenize": round(t_tok, 3), "workers": workers,
+        "text_mb_per_s": round(stage["text_bytes"] / 1e6 / seconds, 3),
+        "input_mb_per_s": round(report.input_bytes / 1e6 / seconds, 3),
+        "tokens_per_s": round(meta["num_tokens"] / seconds, 1),
+        "tokenizer_identity": identity, "masking": cfg.masking,
+        "sample_config": dataclasses.asdict(sample_cfg) if cfg.masking == "static" else None,
+        "dupe_factor": cfg.dupe_factor if cfg.masking == "static" else None,
+        "inputs": list(cfg.inputs), "skipped": report.to_dict(),
+    }
+    report.log(logger)
+    (work / "progress.json").unlink(missing_ok=True)
+    atomic_write_json(work / "stats.json", stats)  # marks the folder complete
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+    _fsync_dir(out.parent)
+    logger.info("prepared %s: %d documents, %d sentences, %d tokens%s in %.1f s (%.2f MB/s of text)", out,
+                stats["num_documents"], stats["num_sentences"], stats["num_tokens"],
+                f", {num_instances} static instances" if num_instances is not None else "", seconds,
+                stats["text_mb_per_s"])
+    return stats

@@ -1,0 +1,230 @@
+"""The token store: sharded, memory-mapped token ids with sentence and document boundaries.
+
+Layout of a prepared folder::
+
+    DIR/store.json               index: format, version, tokenizer identity, shards with sizes and CRC32s, totals
+    DIR/shards/shard-00000.bts   one shard (below)
+    DIR/static-.../              materialised static instances (bertrain.data.pretraining)
+    DIR/stats.json               written last: its presence marks a complete folder
+
+A shard file is a 64-byte header followed by three arrays, each starting at an 8-byte aligned offset::
+
+    header   magic b"BRTSHRD1", version u32, token itemsize u32, n_tokens u64, n_sentences u64,
+             n_documents u64, body crc32 u32, header crc32 u32 (over the 44 bytes before it), zero padding
+    tokens   n_tokens ids (uint16 when the vocab has < 65536 entries, else uint32)
+    sent     n_sentences + 1 int64: token offset of each sentence start (last = n_tokens)
+    docs     n_documents + 1 int64: sentence index of each document start (last = n_sentences)
+
+Shards are written to a temporary name, fsynced and renamed, so a shard that exists is complete; the header CRC
+catches a damaged header at open and the body CRC (checked by `verify`) a damaged body.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bertrain.utils.io import _fsync_dir
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"BRTSHRD1"
+VERSION = 1
+HEADER_SIZE = 64
+_HEADER = struct.Struct("<8sIIQQQI")  # magic, version, itemsize, n_tokens, n_sentences, n_documents, body crc
+STORE_FORMAT = "bertrain-token-store"
+STORE_VERSION = 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+class ShardWriter:
+    """Streams one shard to `path` (via a temporary file): `add_document` many times, then `close()` -> info."""
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.f = open(self.tmp, "wb")
+        self.f.write(b"\0" * HEADER_SIZE)
+        self.crc = 0
+        self.n_tokens = 0
+        self.sentence_lengths: list[np.ndarray] = []
+        self.doc_sentence_counts: list[np.ndarray] = []
+
+    def add(self, tokens: np.ndarray, sentence_lengths: np.ndarray, doc_sentence_counts: np.ndarray) -> None:
+        """Append a chunk of documents: their concatenated ids, the length of each sentence, sentences per doc."""
+        assert int(sentence_lengths.sum()) == len(tokens) and int(doc_sentence_counts.sum()) == len(sentence_lengths)
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self.f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.n_tokens += len(tokens)
+        self.sentence_lengths.append(np.asarray(sentence_lengths, dtype=np.int64))
+        self.doc_sentence_counts.append(np.asarray(doc_sentence_counts, dtype=np.int64))
+
+    def close(self) -> dict[str, Any]:
+        """Finish the file (offsets, header), fsync and rename it into place; returns its index entry."""
+        lens = np.concatenate(self.sentence_lengths) if self.sentence_lengths else np.zeros(0, np.int64)
+        counts = np.concatenate(self.doc_sentence_counts) if self.doc_sentence_counts else np.zeros(0, np.int64)
+        sent = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=sent[1:])
+        docs = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=docs[1:])
+        pad = _pad8(self.n_tokens * self.dtype.itemsize) - self.n_tokens * self.dtype.itemsize
+        tail = b"\0" * pad + sent.tobytes() + docs.tobytes()
+        self.f.write(tail)
+        self.crc = zlib.crc32(tail, self.crc)
+        head = _HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.n_tokens, len(lens), len(counts), self.crc)
+        head += struct.pack("<I", zlib.crc32(head))
+        self.f.seek(0)
+        self.f.write(head.ljust(HEADER_SIZE, b"\0"))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return {"file": self.path.name, "n_tokens": self.n_tokens, "n_sentences": len(lens),
+                "n_documents": len(counts), "bytes": self.path.stat().st_size, "crc32": self.crc}
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class Shard:
+    """One opened (memory-mapped) shard."""
+
+    path: Path
+    tokens: np.ndarray
+    sentence_offsets: np.ndarray
+    document_offsets: np.ndarray
+    crc32: int
+
+
+def read_shard_header(path: Path) -> tuple[int, int, int, int, int]:
+    """(itemsize, n_tokens, n_sentences, n_documents, body_crc) or a `ValueError` naming the file and the problem."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < HEADER_SIZE:
+        raise ValueError(f"corrupt shard {path}: {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header")
+    fields = _HEADER.unpack_from(head)
+    (stored_crc,) = struct.unpack_from("<I", head, _HEADER.size)
+    if fields[0] != MAGIC:
+        raise ValueError(f"{path} is not a bertrain token shard (magic {fields[0]!r}, expected {MAGIC!r})")
+    if fields[1] != VERSION:
+        raise ValueError(f"{path} has shard format version {fields[1]}; this bertrain reads version {VERSION}")
+    if zlib.crc32(head[: _HEADER.size]) != stored_crc:
+        raise ValueError(f"corrupt shard {path}: header checksum mismatch (re-run prepare with --overwrite)")
+    return fields[2], fields[3], fields[4], fields[5], fields[6]
+
+
+def open_shard(path: str | os.PathLike, verify: bool = False) -> Shard:
+    """Memory-map a shard; with `verify` the body CRC32 is checked too (reads the whole file once)."""
+    path = Path(path)
+    itemsize, n_tok, n_sent, n_doc, crc = read_shard_header(path)
+    dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
+    tok_bytes = _pad8(n_tok * itemsize)
+    expected = HEADER_SIZE + tok_bytes + 8 * (n_sent + 1) + 8 * (n_doc + 1)
+    size = path.stat().st_size
+    if size != expected:
+        raise ValueError(f"corrupt shard {path}: {size} bytes, its header promises {expected} "
+                         f"(truncated or overwritten; re-run prepare with --overwrite)")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    if verify:
+        actual = 0
+        step = 1 << 26
+        for i in range(HEADER_SIZE, size, step):  # in pieces: memory stays flat for big shards
+            actual = zlib.crc32(mm[i: min(i + step, size)], actual)
+        if actual != crc:
+            raise ValueError(f"corrupt shard {path}: body checksum {actual:#010x} != {crc:#010x} "
+                             f"(damaged on disk or copied incompletely; re-run prepare with --overwrite)")
+    tokens = mm[HEADER_SIZE: HEADER_SIZE + n_tok * itemsize].view(dtype)
+    off = HEADER_SIZE + tok_bytes
+    sent = mm[off: off + 8 * (n_sent + 1)].view(np.int64)
+    off += 8 * (n_sent + 1)
+    docs = mm[off: off + 8 * (n_doc + 1)].view(np.int64)
+    return Shard(path, tokens, sent, docs, crc)
+
+
+class TokenStore:
+    """All shards of a prepared folder, with global (concatenated) sentence and document offsets.
+
+    `tokens_at(idx)` gathers ids at global token positions across shards; `sentence_starts` (n_sentences + 1,
+    global token offsets) and `document_starts` (n_documents + 1, global sentence indices) are in memory
+    (8 bytes per sentence), the ids stay memory-mapped.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, verify: bool = True, require_complete: bool = True):
+        self.dir = Path(data_dir)
+        self.meta = read_store_meta(self.dir, require_complete)
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.shards: list[Shard] = []
+        for entry in self.meta["shards"]:
+            shard = open_shard(self.dir / "shards" / entry["file"], verify=verify)
+            if len(shard.tokens) != entry["n_tokens"] or shard.crc32 != entry["crc32"]:
+                raise ValueError(f"corrupt store {self.dir}: shard {entry['file']} does not match store.json "
+                                 f"(re-run prepare with --overwrite)")
+            self.shards.append(shard)
+        tok_base = np.cumsum([0] + [len(s.tokens) for s in self.shards])
+        sent_base = np.cumsum([0] + [len(s.sentence_offsets) - 1 for s in self.shards])
+        self.shard_token_starts = tok_base
+        self.sentence_starts = np.concatenate(
+            [np.asarray(s.sentence_offsets[:-1]) + b for s, b in zip(self.shards, tok_base)] + [tok_base[-1:]])
+        self.document_starts = np.concatenate(
+            [np.asarray(s.document_offsets[:-1]) + b for s, b in zip(self.shards, sent_base)] + [sent_base[-1:]])
+        self.num_tokens = int(tok_base[-1])
+        self.num_sentences = len(self.sentence_starts) - 1
+        self.num_documents = len(self.document_starts) - 1
+
+    def tokens_at(self, idx: np.ndarray) -> np.ndarray:
+        """Token ids at global positions `idx` (any shape), as int64."""
+        if len(self.shards) == 1:
+            return self.shards[0].tokens[idx].astype(np.int64)
+        flat = idx.ravel()
+        out = np.empty(flat.shape, np.int64)
+        which = np.searchsorted(self.shard_token_starts, flat, side="right") - 1
+        for s in np.unique(which):
+            sel = which == s
+            out[sel] = self.shards[s].tokens[flat[sel] - self.shard_token_starts[s]]
+        return out.reshape(idx.shape)
+
+    def document(self, d: int) -> list[np.ndarray]:
+        """The sentences (id arrays) of document `d` (for inspection and tests)."""
+        s0, s1 = self.document_starts[d], self.document_starts[d + 1]
+        return [self.tokens_at(np.arange(self.sentence_starts[s], self.sentence_starts[s + 1])) for s in range(s0, s1)]
+
+
+def read_store_meta(data_dir: Path, require_complete: bool = True) -> dict[str, Any]:
+    """store.json of a complete prepared folder, or a `ValueError` saying what is wrong and what to do."""
+    meta_path = data_dir / "store.json"
+    if not data_dir.is_dir():
+        partial = data_dir.with_name(data_dir.name + ".partial")
+        hint = f" (an interrupted prepare left {partial}: re-run the same prepare command to finish it)" \
+            if partial.exists() else " (run `bertrain prepare` first)"
+        raise ValueError(f"prepared data folder {data_dir} does not exist{hint}")
+    if not meta_path.is_file() or (require_complete and not (data_dir / "stats.json").is_file()):
+        raise ValueError(f"{data_dir} is not a complete prepared folder (store.json/stats.json missing); "
+                         f"re-run `bertrain prepare`")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt {meta_path}: {e} (re-run prepare with --overwrite)") from None
+    if meta.get("format") != STORE_FORMAT:
+        raise ValueError(f"{meta_path} is not a bertrain token store index")
+    if meta.get("version") != STORE_VERSION:
+        raise ValueError(f"{meta_path} has store version {meta.get('version')}; this bertrain reads {STORE_VERSION}")
+    return meta
