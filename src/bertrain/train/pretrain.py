@@ -68,6 +68,8 @@ class RunResult:
     stopped_by_signal: bool = False
     final_dir: Path | None = None
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    model: nn.Module | None = None
+    """The trained (unwrapped) model of this rank."""
 
 
 # ----------------------------------------------------------------------------------------------- the algorithm
@@ -104,7 +106,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> RunResult:
                                       cfg, dist, stop, ml)
             if stopped or state.step % max(1, cfg.checkpoint.save_interval) != 0 or cfg.checkpoint.save_interval == 0:
                 save(out, model, optimizer, scheduler, precision, data.loader, state, cfg, dist, plan)
-        result = RunResult(state, out, stopped, last_metrics=last)
+        result = RunResult(state, out, stopped, last_metrics=last, model=model)
         if dist.is_main and not stopped:
             result.final_dir = finish(out, model, cfg)
         barrier()
