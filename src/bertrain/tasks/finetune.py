@@ -518,6 +518,9 @@ def run_squad(cfg: SquadFinetuneConfig) -> dict[str, Any]:
                 log.info("SQuAD dev: %s", {k: v for k, v in results.items() if not isinstance(v, dict)})
         if cfg.checkpoint.export_final and cfg.train.do_train and dist.is_main:
             model.save_pretrained(out_dir / "final")
+            atomic_write_json(out_dir / "final" / "task.json", {
+                "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
+                "doc_stride": d.doc_stride, "max_query_length": d.max_query_length})
         barrier()
     return results
 
@@ -589,5 +592,9 @@ def run_glue(cfg: GlueFinetuneConfig) -> dict[str, Any]:
             atomic_write_json(out_dir / "eval_results.json", results)
             if cfg.checkpoint.export_final and cfg.train.do_train:
                 model.save_pretrained(out_dir / "final")
+                # label names and feature settings for `bertrain predict` / `Predictor`
+                atomic_write_json(out_dir / "final" / "task.json", {
+                    "kind": "classification", "task": task.name,
+                    "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length})
         barrier()
     return results

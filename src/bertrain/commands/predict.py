@@ -1,0 +1,94 @@
+"""`bertrain predict`: batched QA or classification predictions from a file, stdin or the command line.
+
+Output is JSON lines (one object per input) on stdout or --output; throughput goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "predict with a fine-tuned model: QA (question + context) or classification (text [+ pair])"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="fine-tuned model folder (e.g. OUTPUT/final)")
+    parser.add_argument("--task", choices=["qa", "classification"], default=None,
+                        help="default: from the folder's task.json or config.json head")
+    parser.add_argument("--input", default=None,
+                        help="JSONL or TSV file, '-' for stdin (QA: {question, context} / question<TAB>context; "
+                             "classification: {text[, text_pair]} / text[<TAB>text_pair])")
+    parser.add_argument("--format", choices=["jsonl", "tsv"], default=None,
+                        help="input format (default: from the file suffix; jsonl for stdin)")
+    parser.add_argument("--question", default=None, help="one QA question (with --context)")
+    parser.add_argument("--context", default=None, help="the context of --question")
+    parser.add_argument("--text", default=None, help="one text to classify")
+    parser.add_argument("--text-pair", default=None, help="second text of the pair for --text")
+    parser.add_argument("--output", default=None, help="write JSON lines here instead of stdout")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per forward pass")
+    parser.add_argument("--max-seq-length", type=int, default=None, help="default: from task.json")
+    parser.add_argument("--null-score-diff-threshold", type=float, default=0.0,
+                        help="SQuAD v2.0 models: answer '' when score(null) - score(best span) exceeds this")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bertrain.tasks.predict import Predictor, batched, read_items
+    from bertrain.utils.io import atomic_write_text
+
+    if args.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+    p = Predictor(args.model, task=args.task, device=args.device, batch_size=args.batch_size,
+                  max_seq_length=args.max_seq_length)
+    kwargs = {"null_score_diff_threshold": args.null_score_diff_threshold} if p.task == "qa" else {}
+
+    if args.question is not None or args.context is not None or args.text is not None:
+        if args.input is not None:
+            raise ValueError("give either --input or --question/--context/--text, not both")
+        if p.task == "qa":
+            if args.question is None or args.context is None:
+                raise ValueError("a QA model needs both --question and --context")
+            items_iter = iter([{"id": "0", "question": args.question, "context": args.context}])
+        else:
+            if args.text is None:
+                raise ValueError("a classification model needs --text")
+            item = {"id": "0", "text": args.text}
+            if args.text_pair is not None:
+                item["text_pair"] = args.text_pair
+            items_iter = iter([item])
+        f = None
+    else:
+        src = args.input or "-"
+        fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else "jsonl")
+        if src == "-":
+            f = sys.stdin
+            name = "<stdin>"
+        else:
+            if not Path(src).is_file():
+                raise ValueError(f"input file {src} does not exist")
+            f = open(src, encoding="utf-8")
+            name = src
+        items_iter = read_items(f, name, fmt, p.task)
+
+    lines: list[str] = []
+    out = sys.stdout if args.output is None else None
+    try:
+        # Read in chunks of several batches so stdin streams and a large file never sits in memory at once.
+        for chunk in batched(items_iter, args.batch_size * 8):
+            for rec in p.predict(chunk, **kwargs):
+                line = json.dumps(rec, ensure_ascii=False)
+                if out is not None:
+                    print(line, file=out, flush=True)
+                else:
+                    lines.append(line)
+    finally:
+        if f is not None and f is not sys.stdin:
+            f.close()
+    if args.output is not None:
+        atomic_write_text(args.output, "".join(x + "\n" for x in lines))
+    tp = p.throughput
+    print(f"bertrain predict: {tp.examples} examples in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
+          f"batch size {args.batch_size}, {p.task})", file=sys.stderr)
+    return 0

@@ -1,0 +1,242 @@
+"""Batched inference with a fine-tuned model: extractive QA and sentence(-pair) classification.
+
+    >>> p = Predictor("runs/squad/final")
+    >>> p.predict_qa([{"question": "Who?", "context": "Ann wrote it."}])
+    [{'id': '0', 'answer': 'Ann', 'score': 0.93, 'start': 0, 'end': 3, ...}]
+
+The model folder is what `bertrain finetune` exports (`OUTPUT/final`, HF format) or any HF folder with a QA or
+classification head. `task.json`, written beside the weights by the fine-tuning run, supplies the label names and
+the feature settings; without it, the head in config.json decides the task and labels are the class indices.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, TextIO
+
+import numpy as np
+import torch
+
+from bertrain.tasks.common import load_task_tokenizer
+
+log = logging.getLogger(__name__)
+
+TASK_FILE = "task.json"
+
+
+@dataclass
+class Throughput:
+    examples: int = 0
+    seconds: float = 0.0
+
+    @property
+    def per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+class Predictor:
+    """A loaded model plus its tokenizer, for batched QA or classification predictions."""
+
+    def __init__(self, model_dir: str | os.PathLike, task: str | None = None, device: str | torch.device = "cpu",
+                 batch_size: int = 32, max_seq_length: int | None = None) -> None:
+        from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+        from bertrain.model.hf import model_class_for
+
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model folder {self.model_dir} has no config.json")
+        meta: dict[str, Any] = {}
+        if (self.model_dir / TASK_FILE).is_file():
+            meta = json.loads((self.model_dir / TASK_FILE).read_text(encoding="utf-8"))
+        cls = model_class_for(self.model_dir)
+        if task is None:
+            task = meta.get("kind") or ("qa" if cls is BertForQuestionAnswering
+                                        else "classification" if cls is BertForSequenceClassification else None)
+        if task not in ("qa", "classification"):
+            raise ValueError(f"{self.model_dir}: cannot tell the task from config.json ({cls.__name__}); "
+                             "pass task='qa' or 'classification'")
+        self.task = task
+        self.meta = meta
+        self.model = (BertForQuestionAnswering if task == "qa" else BertForSequenceClassification).from_pretrained(
+            self.model_dir)
+        self.device = torch.device(device)
+        self.model.to(self.device).eval()
+        self.tok = load_task_tokenizer(self.model_dir)
+        self.batch_size = batch_size
+        self.max_seq_length = max_seq_length or int(meta.get("max_seq_length", 384 if task == "qa" else 128))
+        self.labels: list[str] | None = meta.get("labels")
+        self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
+        self.throughput = Throughput()
+
+    # ------------------------------------------------------------------------------------------- forward
+
+    @torch.no_grad()
+    def _forward(self, feats: dict[str, np.ndarray], pick) -> list[np.ndarray]:
+        outs: list[list[np.ndarray]] = []
+        L = feats["input_ids"].shape[1]
+        for s in range(0, len(feats["input_ids"]), self.batch_size):
+            sl = slice(s, s + self.batch_size)
+            length = int(feats["attention_mask"][sl].sum(axis=1).max())  # trim padding columns
+            batch = {k: torch.from_numpy(np.ascontiguousarray(feats[k][sl, :length])).to(self.device)
+                     for k in ("input_ids", "token_type_ids", "attention_mask")}
+            res = []
+            for t in pick(self.model(**batch)):
+                a = t.float().cpu().numpy()
+                if a.ndim == 2 and a.shape[1] == length and length < L:
+                    a = np.concatenate([a, np.full((a.shape[0], L - length), -10000.0, np.float32)], axis=1)
+                res.append(a)
+            outs.append(res)
+        return [np.concatenate([o[j] for o in outs]) for j in range(len(outs[0]))]
+
+    # ------------------------------------------------------------------------------------------- QA
+
+    def predict_qa(self, items: list[dict[str, Any]], n_best_size: int = 20,
+                   max_answer_length: int = 30, null_score_diff_threshold: float = 0.0) -> list[dict[str, Any]]:
+        """Answer each {"question", "context"[, "id"]}: answer text, probability among the n-best, character span.
+
+        For a SQuAD v2.0 model the answer is "" when the null score wins (`null_score_diff` says by how much).
+        """
+        from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
+                                          postprocess_predictions)
+
+        if self.task != "qa":
+            raise ValueError(f"{self.model_dir} is a {self.task} model, not a QA model")
+        if not items:
+            return []
+        examples = []
+        for i, it in enumerate(items):
+            qid = str(it.get("id", i))
+            q, c = it.get("question"), it.get("context")
+            if not isinstance(q, str) or not q.strip():
+                raise ValueError(f"item {qid}: empty or missing 'question'")
+            if not isinstance(c, str) or not c.strip():
+                raise ValueError(f"item {qid}: empty or missing 'context'")
+            examples.append(SquadExample(qid, q, c, []))
+        t0 = time.perf_counter()
+        fcfg = SquadFeatureConfig(self.max_seq_length, int(self.meta.get("doc_stride", 128)),
+                                  int(self.meta.get("max_query_length", 64)))
+        feats = build_features(examples, self.tok, fcfg, is_training=False)
+        start, end = self._forward(feats, lambda o: (o.start_logits, o.end_logits))
+        pcfg = SquadPostprocessConfig(n_best_size, max_answer_length, null_score_diff_threshold)
+        preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg,
+                                                          self.version_2_with_negative)
+        self._count(len(items), time.perf_counter() - t0)
+        out = []
+        for ex in examples:
+            answer = preds[ex.qid]
+            best = next((p for p in nbest[ex.qid] if p["text"] == answer), nbest[ex.qid][0])
+            rec = {"id": ex.qid, "answer": answer, "score": best["probability"],
+                   "start": best.get("char_start"), "end": best.get("char_end")}
+            if self.version_2_with_negative:
+                rec["null_score_diff"] = null_odds[ex.qid]
+            out.append(rec)
+        return out
+
+    # ------------------------------------------------------------------------------------------- classification
+
+    def predict_classification(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Classify each {"text"[, "text_pair"]}: label (name from task.json, else the index) and its probability;
+        for a regression head (STS-B) the score itself."""
+        if self.task != "classification":
+            raise ValueError(f"{self.model_dir} is a {self.task} model, not a classification model")
+        if not items:
+            return []
+        inputs = []
+        for i, it in enumerate(items):
+            a = it.get("text", it.get("sentence", it.get("sentence1")))
+            b = it.get("text_pair", it.get("sentence2"))
+            if not isinstance(a, str) or not a.strip():
+                raise ValueError(f"item {it.get('id', i)}: empty or missing 'text'")
+            if b is not None and (not isinstance(b, str) or not b.strip()):
+                raise ValueError(f"item {it.get('id', i)}: 'text_pair' is empty")
+            inputs.append((a, b) if b is not None else a)
+        t0 = time.perf_counter()
+        t = self.tok.tokenizer
+        t.enable_truncation(max_length=self.max_seq_length, strategy="longest_first")
+        t.enable_padding(pad_id=self.tok.pad_id, pad_token="[PAD]")  # pad to the longest of the call
+        try:
+            encs = t.encode_batch(inputs, add_special_tokens=True)
+        finally:
+            t.no_truncation()
+            t.no_padding()
+        feats = {"input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
+                 "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
+                 "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64)}
+        (logits,) = self._forward(feats, lambda o: (o.logits,))
+        self._count(len(items), time.perf_counter() - t0)
+        out = []
+        for i, row in enumerate(logits):
+            rec: dict[str, Any] = {"id": str(items[i].get("id", i))}
+            if row.shape[0] == 1:  # regression head
+                rec.update(label=None, score=float(row[0]))
+            else:
+                p = np.exp(row - row.max())
+                p /= p.sum()
+                k = int(p.argmax())
+                names = self.labels or [str(j) for j in range(len(p))]
+                rec.update(label=names[k], score=float(p[k]),
+                           probabilities={names[j]: float(p[j]) for j in range(len(p))})
+            out.append(rec)
+        return out
+
+    def predict(self, items: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
+        return self.predict_qa(items, **kwargs) if self.task == "qa" else self.predict_classification(items)
+
+    def _count(self, n: int, seconds: float) -> None:
+        self.throughput.examples += n
+        self.throughput.seconds += seconds
+
+
+# ----------------------------------------------------------------------------------------------- input files
+
+def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, Any]]:
+    """Items from JSONL (one object per line) or TSV (QA: question<TAB>context; classification:
+    text[<TAB>text_pair]); blank lines are skipped; bad lines raise `ValueError` naming the file and line."""
+    if fmt not in ("jsonl", "tsv"):
+        raise ValueError(f"unknown input format {fmt!r} (jsonl or tsv)")
+    for lineno, line in enumerate(f, start=1):
+        line = line.rstrip("\n").rstrip("\r")
+        if lineno == 1:
+            line = line.lstrip("\ufeff")
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        if fmt == "jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON: {e.msg}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+        else:
+            cols = line.split("\t")
+            if task == "qa":
+                if len(cols) != 2:
+                    raise ValueError(f"{where}: expected question<TAB>context, got {len(cols)} fields")
+                obj = {"question": cols[0], "context": cols[1]}
+            else:
+                if len(cols) not in (1, 2):
+                    raise ValueError(f"{where}: expected text[<TAB>text_pair], got {len(cols)} fields")
+                obj = {"text": cols[0]} if len(cols) == 1 else {"text": cols[0], "text_pair": cols[1]}
+        if task == "qa" and not (isinstance(obj.get("question"), str) and isinstance(obj.get("context"), str)):
+            raise ValueError(f"{where}: a QA item needs string 'question' and 'context'")
+        if task == "classification" and not isinstance(obj.get("text", obj.get("sentence", obj.get("sentence1"))),
+                                                       str):
+            raise ValueError(f"{where}: a classification item needs a string 'text'")
+        obj.setdefault("id", str(lineno) if fmt == "tsv" else obj.get("id", str(lineno)))
+        yield obj
+
+
+def batched(it: Iterable[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
+    chunk: list[dict[str, Any]] = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
