@@ -515,6 +515,8 @@ _INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
 _LEFTOVER_REF = re.compile(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>|</?ref[^>]*>", re.IGNORECASE | re.DOTALL)
 _LEFTOVER_TAG = re.compile(r"</?[a-zA-Z][^<>]{0,200}>")
 _LEFTOVER_MARKUP = re.compile(r"\{\{|\}\}|\[\[|\]\]|\{\||\|\}|'{2,}")
+_MULTI_SPACE = re.compile(r" {2,}")
+_SPACE_PUNCT = re.compile(r" +([.,;:!?](?:\s|$))")
 _TABLE_LINE = re.compile(r"^\s*(\{\||\|\}|\|-|\||!)")
 
 
@@ -573,7 +575,8 @@ def strip_wiki_markup(wikitext: str) -> str:
     for line in text.split("\n"):
         if _TABLE_LINE.match(line):
             continue
-        line = _LEFTOVER_MARKUP.sub("", line).strip()
+        # Removed templates/refs leave double spaces and "word ." behind.
+        line = _SPACE_PUNCT.sub(r"\1", _MULTI_SPACE.sub(" ", _LEFTOVER_MARKUP.sub("", line))).strip()
         if line.startswith(("*", "#", ":", ";")):
             line = line.lstrip("*#:; ")
         if line:

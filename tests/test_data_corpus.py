@@ -1,0 +1,151 @@
+"""Corpus reading and cleaning: real Wikipedia markup, sentence splitting, every kind of bad input."""
+from __future__ import annotations
+
+import bz2
+import json
+import logging
+
+import pytest
+
+from bertrain.data.corpus import (CorpusOptions, SkipReport, clean_document, iter_documents, resolve_inputs,
+                                  split_sentences, strip_wiki_markup)
+from conftest import shared_file
+
+MARKUP = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref")
+
+
+def read(paths, **opts):
+    report = SkipReport()
+    docs = list(iter_documents([str(p) for p in paths], CorpusOptions(**opts), report))
+    return docs, report
+
+
+def test_wikipedia_sample_markup_gone_articles_counted_redirects_skipped():
+    path = shared_file("wiki/enwiki-sample-pages-articles.xml.bz2")
+    docs, report = read([path])
+    t = report.totals()
+    assert t["wiki_pages"] == 206
+    assert t["wiki_articles"] == 106  # every non-redirect article page
+    assert t["wiki_redirects"] + t["wiki_non_article_namespace"] == 100
+    assert t["wiki_disambiguation"] == 8  # "Austin (disambiguation)", {{disambiguation}}, {{geodis}} ...
+    assert len(docs) == 106 - 8
+    titles = [d.source.split("#", 1)[1] for d in docs]
+    assert "Anarchism" in titles and "Algorithm" in titles
+    assert "AccessibleComputing" not in titles  # a redirect
+    assert not any("(disambiguation)" in t for t in titles)
+    text = "\n".join(d.text for d in docs)
+    for m in MARKUP:
+        assert m not in text, m
+    assert "#REDIRECT" not in text.upper()
+    assert len(text) > 2_000_000  # real text kept, not thrown away with the markup
+    anarchism = docs[titles.index("Anarchism")].sentences
+    assert anarchism[0].startswith("Anarchism is a political philosophy")
+
+
+def test_keep_disambiguation_option():
+    docs, report = read([shared_file("wiki/enwiki-sample-pages-articles.xml.bz2")], skip_disambiguation=False)
+    assert len(docs) == 106
+
+
+def test_table_markup_sample_has_no_table_syntax_left():
+    docs, report = read([shared_file("wiki/enwiki-table-markup.xml.bz2")])
+    assert docs
+    text = "\n".join(d.text for d in docs)
+    for m in MARKUP:
+        assert m not in text, m
+
+
+def test_strip_wiki_markup_pieces():
+    wt = ("'''Foo''' is a [[bar (thing)|bar]] and [[baz]].<ref name=x>{{cite web|title=T}}</ref> "
+          "It has {{convert|3|km}} size.<!-- hidden -->\n"
+          "{| class=wikitable\n|-\n| cell || cell2\n|}\n[[File:X.png|thumb|caption]]\n"
+          "== History ==\nText &amp; more.\n== References ==\n{{reflist}}\nRef text.\n[[Category:Things]]")
+    out = strip_wiki_markup(wt)
+    assert out.splitlines() == ["Foo is a bar and baz. It has size.", "Text & more."]
+
+
+def test_split_sentences_abbreviations_initials_and_long_runs():
+    s = split_sentences('Mr. Smith met Dr. J. R. R. Tolkien in the U.S. Army. He said "Hi!" Then 3 men left. '
+                        "Version 3.5 is out? Yes.")
+    assert s == ["Mr. Smith met Dr. J. R. R. Tolkien in the U.S. Army.", 'He said "Hi!"', "Then 3 men left.",
+                 "Version 3.5 is out?", "Yes."]
+    long = split_sentences("word " * 3000, max_chars=1000)
+    assert len(long) >= 15 and all(len(x) <= 1000 for x in long)
+    assert " ".join(long).split() == ["word"] * 3000
+
+
+def test_text_documents_split_on_blank_lines_and_soft_newlines(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("First doc line one\ncontinues here. Second sentence.\n\n\nSecond doc is here. Yes it is.\n")
+    docs, _ = read([f], min_document_chars=0)
+    assert [d.sentences for d in docs] == [["First doc line one continues here.", "Second sentence."],
+                                           ["Second doc is here.", "Yes it is."]]
+
+
+def test_lines_jsonl_folder_glob_and_dedupe(tmp_path):
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "b1.txt").write_text("one sentence per line\nsecond line here\n\nnext book part\n")
+    (tmp_path / "books" / "b2.txt").write_text("another book file\n")
+    docs, _ = read([tmp_path / "books"], input_format="lines", min_document_chars=0)
+    assert [d.sentences for d in docs] == [["one sentence per line", "second line here"], ["next book part"],
+                                           ["another book file"]]
+    j = tmp_path / "c.jsonl"
+    j.write_text(json.dumps({"body": "A doc here. Two."}) + "\n{not json\n" + json.dumps({"x": 1}) + "\n"
+                 + json.dumps({"body": "A doc here. Two."}) + "\n")
+    docs, report = read([j], text_field="body", dedupe=True, min_document_chars=0)
+    assert [d.sentences for d in docs] == [["A doc here.", "Two."]]
+    c = report.counts[str(j)]
+    assert (c["bad_json_lines"], c["lines_without_body"], c["duplicate_documents"]) == (1, 1, 1)
+    assert resolve_inputs([str(tmp_path / "books" / "*.txt")]) == [str(tmp_path / "books" / "b1.txt"),
+                                                                    str(tmp_path / "books" / "b2.txt")]
+    with pytest.raises(ValueError, match="matches no files"):
+        resolve_inputs([str(tmp_path / "*.nothing")])
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_inputs([str(tmp_path / "missing.txt")])
+
+
+def test_builtin_python_docs():
+    docs, report = read(["builtin:python-docs"])
+    assert len(docs) >= 70 and report.input_bytes > 400_000
+    assert any("assert" in s for s in docs[0].sentences)
+    with pytest.raises(ValueError, match="unknown built-in"):
+        resolve_inputs(["builtin:nope"])
+
+
+def test_bad_bytes_empty_file_and_huge_line_are_reported(tmp_path, caplog):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"Good text here. \xff\xfe More good text \xc3 here.\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes((b"abcdefghi " * 1_048_576))  # 10 MB, one line, no newline
+    with caplog.at_level(logging.WARNING):
+        docs, report = read([bad, empty, huge])
+        report.log(logging.getLogger("test"))
+    assert report.counts[str(bad)]["invalid_utf8_sequences"] == 3
+    assert docs[0].sentences == ["Good text here.", "More good text here."]  # U+FFFD removed in cleaning
+    assert report.counts[str(empty)]["empty_files"] == 1
+    assert report.counts[str(huge)]["long_line_pieces"] >= 9
+    assert sum(len(s) for s in docs[1].sentences) > 9_000_000  # nothing lost, only cut
+    assert max(len(s) for s in docs[1].sentences) <= 4000
+    assert str(bad) in caplog.text and "invalid_utf8_sequences=3" in caplog.text
+
+
+def test_truncated_bz2_keeps_complete_pages_and_says_so(tmp_path, caplog):
+    data = bz2.decompress(shared_file("wiki/enwiki-sample-pages-articles.xml.bz2").read_bytes())
+    comp = bz2.compress(data[: len(data) // 2])
+    cut = tmp_path / "cut.xml.bz2"
+    cut.write_bytes(comp[: len(comp) * 3 // 4])  # cut inside the compressed stream
+    with caplog.at_level(logging.WARNING):
+        docs, report = read([cut])
+    c = report.counts[str(cut)]
+    assert c["truncated_files"] == 1
+    assert 5 < len(docs) < 98
+    assert "truncated" in caplog.text and str(cut) in caplog.text
+    text = "\n".join(d.text for d in docs)
+    assert "[[" not in text
+
+
+def test_clean_document_controls_and_nfc():
+    out = clean_document("Cafe\u0301 au lait\x00 is\u200b good. Next one.", "text")
+    assert out == ["Caf\u00e9 au lait is good.", "Next one."]

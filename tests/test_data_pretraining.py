@@ -1,0 +1,279 @@
+"""Pretraining samples and the loader: statistics, structure, modes, determinism across ranks, exact resume."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.pretraining import InstanceBuilder, PretrainingDataset, PretrainingLoader, SampleConfig
+from bertrain.data.store import TokenStore
+from bertrain.data.tokenizer import read_vocab
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+VOCAB = ASSETS / "vocab-tiny.txt"
+T, P = 128, 20
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pd") / "prepared"
+    prepare(PrepareConfig(inputs=["builtin:python-docs"], output=str(out), vocab_file=str(VOCAB), dupe_factor=2,
+                          workers=2, shard_tokens=40_000))
+    return out
+
+
+def all_rows(ds: PretrainingDataset, epoch: int = 0) -> np.ndarray:
+    return ds.get_rows(epoch, np.arange(len(ds)))
+
+
+def test_sample_structure_and_statistics(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    vocab = read_vocab(VOCAB)
+    cls_, sep, mask, pad = (vocab.index(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
+    b = ds.get_batch(0, np.arange(len(ds)))
+    ids, types, att = b["input_ids"].numpy(), b["token_type_ids"].numpy(), b["attention_mask"].numpy()
+    pos, labels, nsp = b["masked_positions"].numpy(), b["masked_labels"].numpy(), b["next_sentence_labels"].numpy()
+    n = len(ids)
+    assert n > 800 and ids.shape == (n, T) and pos.shape == (n, P) and all(v.dtype == torch.int64 for v in b.values())
+    length = att.sum(1)
+    assert length.max() <= T and (length >= 5).all()
+    assert np.all(att == (np.arange(T)[None] < length[:, None]))
+    assert np.all(ids[:, 0] == cls_) and np.all(ids[np.arange(n), length - 1] == sep)
+    assert np.all(ids[att == 0] == pad) and np.all(types[att == 0] == 0)
+    # [CLS] A [SEP] B [SEP]: types 0...0 1...1, the first SEP is the last type-0 token, B non-empty.
+    a_len = (types == 0).sum(1) - (T - length)
+    assert np.all(np.diff(types * att, axis=1)[att[:, 1:] == 1] >= 0)  # one 0->1 switch
+    assert np.all(ids[np.arange(n), a_len - 1] == sep) and np.all(a_len < length - 1)
+    # masked fraction and the prediction cap
+    n_pred = (labels != -100).sum(1)
+    assert n_pred.max() <= P and n_pred.min() >= 1
+    expected = np.minimum(P, np.maximum(1, np.round(length * 0.15)))
+    assert np.all(n_pred == expected)  # candidates always suffice here
+    frac = n_pred.sum() / length.sum()
+    assert 0.13 < frac < 0.16, frac
+    valid = labels != -100
+    # positions sorted, unique, never special tokens or padding
+    assert np.all(valid == (np.arange(P)[None] < n_pred[:, None]))  # real slots first, then padding
+    assert np.all(np.diff(pos, axis=1)[valid[:, 1:]] > 0)
+    rows = np.repeat(np.arange(n)[:, None], P, 1)
+    assert np.all(pos[~valid] == 0)
+    assert np.all(pos[valid] > 0) and np.all(pos[valid] < length[rows[valid]] - 1)
+    assert np.all(pos[valid] != a_len[rows[valid]] - 1)
+    assert not np.isin(labels[valid], [cls_, sep, pad]).any()
+    # 80 / 10 / 10
+    shown = ids[rows[valid], pos[valid]]
+    m, keep = (shown == mask).mean(), (shown == labels[valid]).mean()
+    assert 0.77 < m < 0.83, m
+    assert 0.08 < keep < 0.12, keep
+    assert 0.08 < 1 - m - keep < 0.12
+    # ~50% random next (a bit more: one-sentence blocks are always random)
+    assert set(np.unique(nsp)) == {0, 1}
+    assert 0.45 < nsp.mean() < 0.62, nsp.mean()
+
+
+def _unmask(b, i):
+    ids = b["input_ids"][i].clone()
+    valid = b["masked_labels"][i] != -100
+    ids[b["masked_positions"][i][valid]] = b["masked_labels"][i][valid]
+    return ids
+
+
+def test_is_next_pairs_are_contiguous_text_and_random_pairs_come_from_another_document(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    store = TokenStore(prepared)
+    flat = store.tokens_at(np.arange(store.num_tokens)).astype(np.uint16).tobytes()
+    doc_of_token = np.repeat(np.arange(store.num_documents),
+                             np.diff(store.sentence_starts[store.document_starts]))
+    b = ds.get_batch(3, np.arange(300))
+    blocks = ds._get_builder().blocks  # dynamic sample i is built from block i
+    checked = {0: 0, 1: 0}
+    for i in range(300):
+        ids = _unmask(b, i).numpy()
+        L = int(b["attention_mask"][i].sum())
+        a_len = int((b["token_type_ids"][i][:L] == 0).sum())
+        a, bb = ids[1:a_len - 1], ids[a_len:L - 1]
+        label = int(b["next_sentence_labels"][i])
+        ss = store.sentence_starts
+        lo, hi = int(ss[blocks[i, 0]]), int(ss[blocks[i, 1]])
+        pa = flat.find(a.astype(np.uint16).tobytes(), 2 * lo) // 2  # A: inside its own block
+        assert lo <= pa and pa + len(a) <= hi
+        if label == 0:  # B follows A in the block (pair truncation may cut A's end / B's start)
+            pb = flat.find(bb.astype(np.uint16).tobytes(), 2 * (pa + len(a))) // 2
+            assert pa + len(a) <= pb and pb + len(bb) <= hi
+        else:  # B is real text of another document (the docs share some passages: look at every occurrence)
+            key, docs, at = bb.astype(np.uint16).tobytes(), set(), flat.find(bb.astype(np.uint16).tobytes())
+            assert at >= 0
+            while at >= 0:
+                if at % 2 == 0:
+                    docs.add(int(doc_of_token[at // 2]))
+                at = flat.find(key, at + 1)
+            assert docs - {int(blocks[i, 2])}
+        checked[label] += 1
+    assert checked[0] > 100 and checked[1] > 100
+
+
+def test_whole_word_masking_masks_whole_words(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic", whole_word_masking=True)
+    vocab = read_vocab(VOCAB)
+    sub = np.array([t.startswith("##") for t in vocab])
+    b = ds.get_batch(0, np.arange(400))
+    words_split = 0
+    for i in range(400):
+        ids = _unmask(b, i).numpy()
+        valid = b["masked_labels"][i] != -100
+        masked = set(b["masked_positions"][i][valid].tolist())
+        assert 1 <= len(masked) <= P
+        for q in masked:
+            if q + 1 < T and sub[ids[q + 1]] and b["attention_mask"][i][q + 1]:
+                assert q + 1 in masked
+                words_split += 1
+            if sub[ids[q]] and vocab[ids[q - 1]] not in ("[CLS]", "[SEP]"):  # B may start mid-word
+                assert q - 1 in masked
+    assert words_split > 50  # the tiny vocab splits many words: the property was really exercised
+    frac = (b["masked_labels"] != -100).sum() / b["attention_mask"].sum()
+    assert 0.11 < frac < 0.16
+
+
+def test_mlm_only_packing(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic", next_sentence=False)
+    b = ds.get_batch(0, np.arange(len(ds)))
+    assert torch.all(b["next_sentence_labels"] == -100)
+    assert torch.all(b["token_type_ids"] == 0)
+    L = b["attention_mask"].sum(1)
+    sep = read_vocab(VOCAB).index("[SEP]")
+    unmasked = torch.stack([_unmask(b, i) for i in range(len(L))])
+    assert torch.all((unmasked == sep).sum(1) == 1) and torch.all(unmasked[torch.arange(len(L)), L - 1] == sep)
+    # whole sentences packed across documents: ~30-token sentences here leave ~12 slots free; 10% short targets
+    assert L.float().mean() > 0.75 * T
+    assert L.max() <= T
+    frac = (b["masked_labels"] != -100).sum() / L.sum()
+    assert 0.13 < frac < 0.16
+
+
+def test_static_instances_are_dynamic_epochs_materialised(prepared):
+    static = PretrainingDataset(prepared, T, P, masking="static")
+    dynamic = PretrainingDataset(prepared, T, P, masking="dynamic")
+    assert len(static) == 2 * len(dynamic)
+    nb = len(dynamic)
+    ids = np.array([0, 5, nb - 1])
+    assert np.array_equal(static.get_rows(0, ids), dynamic.get_rows(0, ids))
+    assert np.array_equal(static.get_rows(0, ids + nb), dynamic.get_rows(1, ids))
+    assert not np.array_equal(dynamic.get_rows(0, ids), dynamic.get_rows(1, ids))  # epochs differ
+    with pytest.raises(ValueError, match="no static instances"):
+        PretrainingDataset(prepared, 256, 40, masking="static")
+
+
+def test_phase2_length_from_the_same_store(prepared):
+    ds = PretrainingDataset(prepared, 512, 80, masking="dynamic")
+    b = ds.get_batch(0, np.arange(50))
+    assert b["input_ids"].shape == (50, 512) and b["masked_positions"].shape == (50, 80)
+    assert b["attention_mask"].sum(1).float().mean() > 256
+
+
+def test_sample_is_independent_of_batch_composition(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    alone = ds.get_rows(2, np.array([17]))
+    inside = ds.get_rows(2, np.array([3, 17, 99]))
+    assert np.array_equal(alone[0], inside[1])
+
+
+def _global(batches_per_rank):
+    """Interleave rank batches into global order: step m, rank 0..W-1."""
+    out = []
+    for step in zip(*batches_per_rank):
+        for b in step:
+            out.append(b["input_ids"])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("masking", ["dynamic", "static"])
+def test_one_two_three_ranks_see_the_same_global_order(prepared, masking):
+    ds = PretrainingDataset(prepared, T, P, masking=masking)
+    orders = {}
+    for world, b in ((1, 6), (2, 3), (3, 2)):
+        loaders = [PretrainingLoader(ds, b, r, world, seed=7) for r in range(world)]
+        assert len({len(l) for l in loaders}) == 1  # equal counts per rank
+        per_rank = [list(l) for l in loaders]
+        orders[world] = _global(per_rank)
+    assert torch.equal(orders[1], orders[2]) and torch.equal(orders[1], orders[3])
+    assert len(orders[1]) == (len(ds) // 6) * 6
+
+
+def test_uneven_tail_drop_or_wrap_gives_equal_counts(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    n = len(ds)
+    for drop in (True, False):
+        loaders = [PretrainingLoader(ds, 7, r, 3, drop_last=drop) for r in range(3)]
+        counts = [sum(1 for _ in l) for l in loaders]
+        expected = n // 21 if drop else -(-n // 21)
+        assert counts == [expected] * 3
+        assert all(len(l) == expected for l in loaders)
+    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
+        PretrainingLoader(ds, n, 0, 2)
+
+
+def test_epochs_advance_and_replay(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    loader = PretrainingLoader(ds, 64, seed=3)
+    e0 = [b["input_ids"] for b in loader]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["samples_consumed"] == 0
+    e1 = [b["input_ids"] for b in loader]
+    assert not torch.equal(e0[0], e1[0])
+    loader.set_epoch(0)
+    again = [b["input_ids"] for b in loader]
+    assert all(torch.equal(x, y) for x, y in zip(e0, again))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_is_exact(prepared, num_workers):
+    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    full = PretrainingLoader(ds, 8, seed=11)
+    reference = [b for _, b in zip(range(12), full)]
+    first = PretrainingLoader(ds, 8, seed=11, num_workers=num_workers)
+    it = iter(first)
+    for _ in range(7):
+        next(it)
+    state = first.state_dict()
+    assert state["samples_consumed"] == 56
+    resumed = PretrainingLoader(PretrainingDataset(prepared, T, P, masking="dynamic"), 8, seed=11,
+                                num_workers=num_workers)
+    resumed.load_state_dict(state)
+    nxt = [b for _, b in zip(range(5), resumed)]
+    for got, want in zip(nxt, reference[7:12]):
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+def test_resume_under_a_different_world_size(prepared):
+    ds = PretrainingDataset(prepared, T, P, masking="static")
+    ref = PretrainingLoader(ds, 8, seed=5)
+    reference = [b["input_ids"] for _, b in zip(range(6), ref)]
+    # 2 ranks x 4: three global steps = 24 samples, then resume on 4 ranks x 2.
+    two = [PretrainingLoader(ds, 4, r, 2, seed=5) for r in range(2)]
+    for l in two:
+        for _, _b in zip(range(3), l):
+            pass
+    state = two[0].state_dict()
+    assert state == two[1].state_dict() and state["samples_consumed"] == 24
+    four = [PretrainingLoader(ds, 2, r, 4, seed=5) for r in range(4)]
+    for l in four:
+        l.load_state_dict(state)
+    got = _global([[b for _, b in zip(range(3), l)] for l in four])
+    assert torch.equal(got, torch.cat(reference[3:6]))
+    three = PretrainingLoader(ds, 5, 0, 3, seed=5)
+    with pytest.raises(ValueError, match="not a multiple"):
+        three.load_state_dict(state)
+
+
+def test_tokenizer_identity_checked(prepared, tmp_path):
+    ds = PretrainingDataset(prepared, T, P)
+    ds.check_tokenizer(VOCAB, True)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        ds.check_tokenizer(VOCAB, False)
+    other = tmp_path / "vocab.txt"
+    other.write_text(VOCAB.read_text().replace("\nvalu\n", "\nvalue\n"))
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        ds.check_tokenizer(other, True)
