@@ -125,10 +125,10 @@ def read_shard_header(path: Path) -> tuple[int, int, int, int, int]:
     (stored_crc,) = struct.unpack_from("<I", head, _HEADER.size)
     if fields[0] != MAGIC:
         raise ValueError(f"{path} is not a bertrain token shard (magic {fields[0]!r}, expected {MAGIC!r})")
-    if fields[1] != VERSION:
-        raise ValueError(f"{path} has shard format version {fields[1]}; this bertrain reads version {VERSION}")
     if zlib.crc32(head[: _HEADER.size]) != stored_crc:
         raise ValueError(f"corrupt shard {path}: header checksum mismatch (re-run prepare with --overwrite)")
+    if fields[1] != VERSION:
+        raise ValueError(f"{path} has shard format version {fields[1]}; this bertrain reads version {VERSION}")
     return fields[2], fields[3], fields[4], fields[5], fields[6]
 
 
