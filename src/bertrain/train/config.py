@@ -180,8 +180,28 @@ class ModelSection:
     """Override both hidden and attention dropout probabilities (e.g. 0 for exact equivalence tests)."""
     max_position_embeddings: Optional[int] = None
     """Override the preset's max_position_embeddings."""
+    num_hidden_layers: Optional[int] = None
+    """Override the preset's number of layers."""
+    hidden_size: Optional[int] = None
+    """Override the preset's hidden size."""
+    num_attention_heads: Optional[int] = None
+    """Override the preset's number of attention heads."""
+    intermediate_size: Optional[int] = None
+    """Override the preset's feed-forward size."""
+
+    def architecture_overrides(self) -> dict:
+        """The BertConfig fields this section overrides."""
+        keys = ("max_position_embeddings", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                "intermediate_size")
+        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if self.dropout is not None:
+            out.update(hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout)
+        return out
 
     def __post_init__(self) -> None:
+        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
+            if getattr(self, k) is not None:
+                _positive(f"model.{k}", getattr(self, k))
         if not self.preset:
             raise ValueError("config key 'model.preset' must name a preset or a config.json path")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -210,8 +230,12 @@ class DataSection:
     """Fraction of tokens masked."""
     short_seq_prob: float = 0.1
     """Probability of a shorter target length (google-research/bert)."""
-    masking: Literal["dynamic", "static", "none"] = "dynamic"
-    """Sample mode for on-the-fly preparation: dynamic masking, static (dupe_factor copies), none (MLM-only packing)."""
+    masking: Literal["dynamic", "static"] = "dynamic"
+    """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
+    next_sentence: bool = True
+    """NSP sentence pairs; false = MLM-only packing of full sentences (no NSP loss)."""
+    whole_word_masking: bool = False
+    """Mask whole words (all WordPieces of a word together)."""
     dupe_factor: int = 5
     """static masking: copies of the corpus with different masks."""
     num_workers: int = 0

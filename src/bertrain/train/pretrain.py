@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
@@ -354,15 +355,12 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
     """BertForPreTraining from a preset or config.json, optionally initialised from a checkpoint (weights only)."""
     from bertrain.model.bert import BertConfig, BertForPreTraining
     m = cfg.model
-    overrides: dict[str, Any] = {}
-    if m.dropout is not None:
-        overrides.update(hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout)
-    if m.max_position_embeddings is not None:
-        overrides["max_position_embeddings"] = m.max_position_embeddings
+    overrides = m.architecture_overrides()
     if m.init:
-        if m.max_position_embeddings is not None:
-            raise ValueError("config key 'model.max_position_embeddings' cannot change an initialised model's")
-        overrides.pop("max_position_embeddings", None)
+        shape = set(overrides) - {"hidden_dropout_prob", "attention_probs_dropout_prob"}
+        if shape:
+            raise ValueError(f"config key 'model.{sorted(shape)[0]}' cannot change the shape of the model.init "
+                             "weights; only model.dropout may be overridden")
         model = BertForPreTraining.from_pretrained(m.init, **overrides)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
@@ -374,8 +372,7 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
             if config.vocab_size != vocab_size:
                 raise ValueError(f"config key 'model.preset': {m.preset} has vocab_size {config.vocab_size} but the "
                                  f"data's vocabulary has {vocab_size} entries")
-            for k, v in overrides.items():
-                setattr(config, k, v)
+            config = dataclasses.replace(config, **overrides)  # re-validated by BertConfig.__post_init__
         else:
             config = BertConfig.from_preset(m.preset, vocab_size=vocab_size, **overrides)
         model = BertForPreTraining(config)
