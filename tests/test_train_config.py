@@ -1,0 +1,120 @@
+"""Configs: every shipped recipe loads strictly with the values it promises; bad values name their key; the batch
+arithmetic; launcher environments (torchrun, Slurm, Open MPI, PMI)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bertrain.config import load_config
+from bertrain.train.config import PretrainConfig, TrainSection, resolve_batch
+from bertrain.train.distributed import first_slurm_host, launch_env
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = {
+    # file: (preset, global batch, lr, warmup, steps, seq, preds, optimizer, schedule)
+    "bert-base-phase1.yaml": ("base", 65536, 6e-3, 0.2843, 7038, 128, 20, "nvlamb", "poly"),
+    "bert-base-phase2.yaml": ("base", 32768, 4e-3, 0.128, 1563, 512, 80, "nvlamb", "poly"),
+    "bert-large-phase1.yaml": ("large", 65536, 6e-3, 0.2843, 7038, 128, 20, "nvlamb", "poly"),
+    "bert-large-phase2.yaml": ("large", 32768, 4e-3, 0.128, 1563, 512, 80, "nvlamb", "poly"),
+    "bert-base-adamw-256.yaml": ("base", 256, 1e-4, 10000, 1_000_000, 128, 20, "adamw", "linear"),
+}
+
+
+def test_every_shipped_config_loads() -> None:
+    files = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert set(RECIPES) | {"quickstart.yaml"} <= set(files)
+    for name in files:
+        load_config(PretrainConfig, CONFIGS / name)  # strict: an unknown key or wrong type raises
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_values(name: str) -> None:
+    preset, batch, lr, warmup, steps, seq, preds, optim, schedule = RECIPES[name]
+    cfg = load_config(PretrainConfig, CONFIGS / name)
+    assert (cfg.model.preset, cfg.train.global_batch_size, cfg.optim.lr, cfg.schedule.warmup, cfg.train.steps,
+            cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, cfg.optim.name, cfg.schedule.name) == (
+        preset, batch, lr, warmup, steps, seq, preds, optim, schedule)
+    assert cfg.optim.weight_decay == 0.01 and not cfg.optim.scale_lr_with_batch
+    if "phase2" in name:
+        assert cfg.model.init == f"runs/{name.replace('phase2.yaml', 'phase1')}/final"
+        assert cfg.schedule.power == 0.5
+    if "adamw" in name:
+        assert cfg.optim.bias_correction is False
+    plan = resolve_batch(cfg.train, 8)  # on 8 GPUs the accumulation is derived exactly
+    assert plan.micro_batch_size * plan.accumulation * 8 == batch
+
+
+def test_quickstart_prepares_builtin_corpus() -> None:
+    cfg = load_config(PretrainConfig, CONFIGS / "quickstart.yaml")
+    assert cfg.data.input == ["builtin:python-docs"] and cfg.data.prepared is None
+    assert cfg.data.masking == "dynamic" and cfg.data.max_seq_length == 128
+    assert cfg.checkpoint.export_final and cfg.precision.mode == "fp32"
+
+
+@pytest.mark.parametrize("override,key", [
+    ({"optim.lr": "-1"}, "optim.lr"),
+    ({"optim.betas": "[0.9, 1.5]"}, "optim.betas"),
+    ({"optim.name": "sgd"}, "optim.name"),
+    ({"optim.min_trust_ratio": "5", "optim.max_trust_ratio": "1"}, "optim.min_trust_ratio"),
+    ({"schedule.name": "step"}, "schedule.name"),
+    ({"schedule.decay_rate": "0"}, "schedule.decay_rate"),
+    ({"precision.mode": "fp8"}, "precision.mode"),
+    ({"train.micro_batch_size": "0"}, "train.micro_batch_size"),
+    ({"train.steps": "0", "train.epochs": "0"}, "train.steps"),
+    ({"train.steps": "ten"}, "train.steps"),
+    ({"data.masked_lm_prob": "1.5"}, "data.masked_lm_prob"),
+    ({"data.max_predictions_per_seq": "200"}, "data.max_predictions_per_seq"),
+    ({"model.dropout": "1.0"}, "model.dropout"),
+    ({"checkpoint.keep_lst": "2"}, "checkpoint.keep_lst"),
+    ({"distributed.backend": "mpi"}, "distributed.backend"),
+])
+def test_bad_values_name_the_key(override: dict, key: str) -> None:
+    base = {"train.steps": "10", "data.synthetic_samples": "64"}
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(PretrainConfig, None, {**base, **override})
+
+
+def test_command_line_overrides_every_section() -> None:
+    cfg = load_config(PretrainConfig, CONFIGS / "quickstart.yaml", {
+        "output_dir": "/tmp/x", "model.preset": "tiny", "train.steps": "7", "train.micro_batch_size": "4",
+        "train.accumulation": "2", "train.global_batch_size": "0", "precision.mode": "bf16", "optim.name": "lamb",
+        "seed": "3", "checkpoint.save_interval": "5", "data.input": "a.txt,b.txt"})
+    assert (cfg.output_dir, cfg.model.preset, cfg.train.steps, cfg.train.micro_batch_size, cfg.train.accumulation,
+            cfg.precision.mode, cfg.optim.name, cfg.seed, cfg.checkpoint.save_interval, cfg.data.input) == (
+        "/tmp/x", "tiny", 7, 4, 2, "bf16", "lamb", 3, 5, ["a.txt", "b.txt"])
+
+
+def test_batch_arithmetic() -> None:
+    t = TrainSection(steps=1, global_batch_size=256, micro_batch_size=32)
+    assert [resolve_batch(t, w).accumulation for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(ValueError, match="train.global_batch_size.*train.micro_batch_size"):
+        resolve_batch(t, 3)  # 256 is not a multiple of 32 x 3
+    with pytest.raises(ValueError, match="train.accumulation"):
+        resolve_batch(TrainSection(steps=1, global_batch_size=256, micro_batch_size=32, accumulation=3), 1)
+    assert resolve_batch(TrainSection(steps=1, micro_batch_size=8, accumulation=3), 2).global_batch_size == 48
+
+
+def test_launcher_environments() -> None:
+    assert launch_env({}) is None
+    e = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (3, 8, 1, "n1", 1234,
+                                                                                               "torchrun")
+    e = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                    "SLURM_JOB_NODELIST": "gpu[07-08,11]", "SLURM_JOB_ID": "4242"})
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (
+        5, 16, 1, "gpu07", 15000 + 4242, "slurm")
+    e = launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.launcher) == (2, 4, 2, "127.0.0.1", "openmpi")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):  # several nodes and no master given
+        launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    e = launch_env({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MASTER_ADDR": "head"})
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.launcher) == (1, 2, 1, "head", "pmi")
+
+
+def test_slurm_nodelist_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda _: None)  # no scontrol here: the parser decides
+    assert first_slurm_host("node[001-004]") == "node001"
+    assert first_slurm_host("a12,b3") == "a12"
+    assert first_slurm_host("single") == "single"
