@@ -29,13 +29,15 @@ import math
 import os
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 import numpy as np
-import torch
 
 from bertrain.data.store import TokenStore, read_store_meta
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json
+
+if TYPE_CHECKING:  # torch is imported where batches are made: `prepare` (and its workers) never need it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +357,8 @@ def _binomial_half(keys: np.ndarray, slot: int, k: np.ndarray) -> np.ndarray:
 
 def rows_to_batch(rows: np.ndarray, cfg: SampleConfig) -> dict[str, torch.Tensor]:
     """Instance rows -> the batch dict of ARCHITECTURE.md ("Pretraining batches")."""
+    import torch
+
     T, P = cfg.max_seq_length, cfg.max_predictions_per_seq
     rows = rows.astype(np.int64, copy=False)
     total, a_len, nsp, n_pred = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
@@ -481,7 +485,7 @@ def open_instances(path: Path, meta: dict) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------- loader
 
-class _BatchFetcher(torch.utils.data.Dataset):
+class _BatchFetcher:
     """Map-style adapter for torch's DataLoader: item = (epoch, sample ids) -> batch dict (built in workers)."""
 
     def __init__(self, ds: PretrainingDataset):
@@ -557,6 +561,8 @@ class PretrainingLoader:
         epoch = self.epoch
         items = list(self._rank_batches(epoch, start)) if self.num_workers > 0 else self._rank_batches(epoch, start)
         if self.num_workers > 0:
+            import torch
+
             dl = torch.utils.data.DataLoader(_BatchFetcher(self.ds), batch_size=None, sampler=items,
                                              num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                              multiprocessing_context="spawn" if os.name != "posix" else None)
