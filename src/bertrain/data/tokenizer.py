@@ -74,7 +74,7 @@ def load_tokenizer(vocab_file: str | os.PathLike, do_lower_case: bool = True) ->
     """A fast BERT WordPiece tokenizer for `vocab_file`; `encode(..., add_special_tokens=False)` gives raw ids."""
     tokens = read_vocab(vocab_file)
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=200))  # as google-research/bert
     return _bert_pipeline(tok, do_lower_case)
 
 
