@@ -1,0 +1,58 @@
+"""`bertrain bench`: time the pretraining step, the fine-tuning step and inference, optionally beside HF."""
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "measure training/inference speed (seq/s, tokens/s, TFLOP/s, MFU, memory), optionally against HF transformers"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="base", help="model preset: tiny, mini, small, medium, base, large")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length T (default 128; 384 for --mode inference, SQuAD)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
+                        help="fp32, tf32 (CUDA matmuls), bf16 or fp16 autocast (default fp32)")
+    parser.add_argument("--mode", default="pretrain", choices=["pretrain", "finetune", "inference", "all"],
+                        help="pretrain: MLM+NSP step; finetune: SQuAD QA step; inference: QA forward")
+    parser.add_argument("--compare", choices=["hf"], default=None,
+                        help="also time transformers' model (SDPA attention, same weights, batch, precision, "
+                             "threads and optimizer), interleaved with ours")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile ours (per layer, dynamic shapes) and HF (whole model)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per side (default 3 on CPU, 20 on CUDA)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 1 CPU, 5 CUDA)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the batch")
+    parser.add_argument("--min-len-frac", type=float, default=0.3,
+                        help="sequence lengths are uniform in [ceil(FRAC*T), T] (default 0.3)")
+    parser.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"],
+                        help="pretraining optimizer for both sides (default lamb); fine-tuning uses adamw")
+    parser.add_argument("--no-unpad", dest="unpad", action="store_false",
+                        help="ours: run the encoder on padded (B, T) tensors")
+    parser.add_argument("--full-mlm-head", dest="masked_head", action="store_false",
+                        help="ours: run the MLM head on every token (as HF) instead of the masked positions")
+    parser.add_argument("--separate-qkv", dest="fused_qkv", action="store_false",
+                        help="ours: three Q/K/V GEMMs instead of one fused one")
+    parser.add_argument("--no-foreach", dest="foreach", action="store_false",
+                        help="both sides: per-tensor optimizer loop and clipping instead of multi-tensor/fused")
+    parser.add_argument("--checkpointing", action="store_true", help="ours: activation checkpointing per layer")
+    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bertrain.bench import BenchOptions, format_table, run_bench
+
+    opts = BenchOptions(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
+                        precision=args.precision, mode=args.mode, compare=args.compare, compile=args.compile,
+                        steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
+                        min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,
+                        masked_head=args.masked_head, fused_qkv=args.fused_qkv, foreach=args.foreach,
+                        checkpointing=args.checkpointing)
+    if opts.steps is not None and opts.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    result = run_bench(opts)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
