@@ -54,8 +54,11 @@ def build_real_data(cfg: PretrainConfig, dist: DistInfo, plan: BatchPlan):
             except BaseException as e:  # let the other ranks leave the barrier before re-raising
                 error = e
         barrier()
-        if error is not None:
-            raise error
+        from bertrain.train.distributed import broadcast_object
+        if not broadcast_object(error is None):
+            if error is not None:
+                raise error
+            raise RuntimeError("rank 0 failed to prepare the data (see its log)")
         data_dir, vocab_file = Path(cfg.output_dir) / "data", (
             Path(d.vocab_file) if d.vocab_file else Path(cfg.output_dir) / "vocab" / "vocab.txt")
     else:

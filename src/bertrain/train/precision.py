@@ -31,8 +31,9 @@ class Precision:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mode)
-        if cfg.mode == "tf32":
-            # TF32 matmuls/convolutions on Ampere and newer; a no-op elsewhere (CPU keeps full fp32)
+        if cfg.mode == "tf32" and self.device.type == "cuda":
+            # TF32 matmuls/convolutions on Ampere and newer. Process-wide flags, so only set where they mean
+            # something: on CPU tf32 is plain fp32.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
             torch.set_float32_matmul_precision("high")

@@ -362,6 +362,10 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
             raise ValueError(f"config key 'model.{sorted(shape)[0]}' cannot change the shape of the model.init "
                              "weights; only model.dropout may be overridden")
         model = BertForPreTraining.from_pretrained(m.init, **overrides)
+        init_vocab = model.tokenizer_files.get("vocab.txt")
+        if init_vocab and tokenizer_files and tokenizer_files.get("vocab.txt") not in (None, init_vocab):
+            raise ValueError(f"config key 'model.init': the vocab.txt of {m.init} differs from the vocabulary the "
+                             "data was tokenized with; prepare the data with the model's vocab.txt")
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
                              f"data's vocabulary has {vocab_size} entries")
@@ -419,6 +423,7 @@ def find_resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
     choice: str | None = None
     if resume:
         import torch.distributed as td
+        problem = None
         if not td.is_initialized() or td.get_rank() == 0:
             if resume == "auto":
                 found = ckpt.latest_checkpoint(output_dir)
@@ -427,10 +432,11 @@ def find_resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
                 choice = str(found) if found else None
             else:
                 problem = ckpt.verify_checkpoint(resume)
-                if problem:
-                    raise ValueError(f"--resume {resume}: {problem}")
                 choice = resume
-        choice = broadcast_object(choice)
+        # every rank learns the decision (or the error), so none waits forever for a rank that gave up
+        choice, problem = broadcast_object((choice, problem))
+        if problem:
+            raise ValueError(f"--resume {resume}: {problem}")
     return Path(choice) if choice else None
 
 
