@@ -109,8 +109,9 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{task.name}: data file {path} does not exist")
-    need = max(i if i >= 0 else -i - 1 for i in (layout.text_a, layout.text_b, layout.label, layout.index)
-               if i is not None) + 1
+    cols = [i for i in (layout.text_a, layout.text_b, layout.label, layout.index) if i is not None]
+    # A negative index (the label as the last column) must not fall on a text column of a short row.
+    need = max(i for i in cols if i >= 0) + 1 + any(i < 0 for i in cols)
     examples: list[GlueExample] = []
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:

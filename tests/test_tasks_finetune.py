@@ -1,0 +1,356 @@
+"""Fine-tuning end to end (tiny model: seconds; real MiniLM: a short slice), resume, distributed evaluation
+without duplicates, v2.0 on hand-made unanswerable questions, and `bertrain predict`."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ASSETS, shared_file
+from distributed import launch_cli, spawn
+
+from bertrain.cli import main
+from bertrain.tasks.finetune import (epoch_order, merge_gathered, micro_batch_indices, shard_for_eval)
+
+XQUAD = "squad/xquad-en-part1.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A randomly initialised tiny BERT (2 layers, hidden 64) with the test vocab, in HF format."""
+    from bertrain.model.bert import BertConfig, BertModel
+    from bertrain.model.hf import tokenizer_files_from_vocab
+
+    torch.manual_seed(0)
+    vocab = ASSETS / "vocab-tiny.txt"
+    n = sum(1 for _ in open(vocab, encoding="utf-8"))
+    model = BertModel(BertConfig.from_preset("tiny", vocab_size=n))
+    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(d)
+    return d
+
+
+WORDS = "the cat dog sat on a mat in house with and over people family".split()
+
+
+def _sentence(rng, k=6) -> str:
+    return " ".join(rng.choice(WORDS, size=k))
+
+
+def write_rte_like(d: Path, n_train=24, n_dev=10, n_test=7, task_labels=("entailment", "not_entailment"),
+                   mnli=False) -> Path:
+    """A small GLUE-layout pair task: label = whether the two sentences share their first word (learnable)."""
+    rng = np.random.default_rng(0)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def rows(n, labelled):
+        out = []
+        for i in range(n):
+            a, b = _sentence(rng), _sentence(rng)
+            if i % 2 == 0:
+                b = a.split()[0] + " " + b
+            lab = task_labels[0] if i % 2 == 0 else task_labels[-1]
+            out.append((str(i), a, b, lab))
+        return out
+
+    def write(name, n, labelled):
+        if mnli:
+            header = "index\tpromptID\tpairID\tgenre\ta\tb\tc\td\tsentence1\tsentence2" + ("\tgold_label" if labelled else "")
+            lines = [header] + [f"{i}\tp\tp\tg\t(\t(\t(\t(\t{a}\t{b}" + (f"\t{lab}" if labelled else "")
+                                for i, a, b, lab in rows(n, labelled)]
+        else:
+            header = "index\tsentence1\tsentence2" + ("\tlabel" if labelled else "")
+            lines = [header] + [f"{i}\t{a}\t{b}" + (f"\t{lab}" if labelled else "") for i, a, b, lab in rows(n, labelled)]
+        (d / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    if mnli:
+        write("train.tsv", n_train, True)
+        write("dev_matched.tsv", n_dev, True)
+        write("dev_mismatched.tsv", n_dev + 1, True)
+        write("test_matched.tsv", n_test, False)
+        write("test_mismatched.tsv", n_test + 2, False)
+    else:
+        write("train.tsv", n_train, True)
+        write("dev.tsv", n_dev, True)
+        write("test.tsv", n_test, False)
+    return d
+
+
+TINY = ["--train.micro_batch_size", "4", "--train.eval_batch_size", "8", "--train.log_interval", "1",
+        "--optim.lr", "1e-3"]
+
+
+# ----------------------------------------------------------------------------------------------- pure pieces
+
+def test_epoch_order_and_micro_batches_cover_each_step():
+    order = epoch_order(10, 4, seed=1, epoch=0)
+    assert len(order) == 12 and set(order[:10]) == set(range(10))  # padded by wrapping
+    assert not np.array_equal(order[:10], epoch_order(10, 4, seed=1, epoch=1)[:10])
+    step = order[:4]
+    # world 2 x micro 2 x accumulation 1 == world 1 x micro 2 x accumulation 2: the same examples per step
+    two_ranks = np.concatenate([micro_batch_indices(step, 0, r, 2, 2) for r in range(2)])
+    one_rank = np.concatenate([micro_batch_indices(step, m, 0, 1, 2) for m in range(2)])
+    assert sorted(two_ranks) == sorted(one_rank) == sorted(step)
+
+
+@pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (2, 4), (8, 4), (1, 1)])
+def test_merge_gathered_drops_padding_duplicates(n, world):
+    shards = [shard_for_eval(n, r, world) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1  # equal counts on every rank (collectives need it)
+    parts = [(s, (s * 10.0, np.stack([s, s], axis=1))) for s in shards]
+    a, b = merge_gathered(parts, n)
+    assert np.array_equal(a, np.arange(n) * 10.0) and b.shape == (n, 2)
+    with pytest.raises(RuntimeError, match="covered"):  # a rank's part lost, or a wrong total
+        merge_gathered(parts[:-1] if world > 1 else parts, n + 1)
+
+
+class _EchoModel(torch.nn.Module):
+    """Outputs each example's first token id: lets the test see exactly which example produced which output."""
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
+        class Out:
+            logits = input_ids[:, :1].float() * 1.0
+        return Out()
+
+
+def _gather_worker(rank: int, world: int, n: int, out_dir: str) -> None:
+    from bertrain.tasks.finetune import distributed_forward
+    from bertrain.train.distributed import cleanup, init_distributed
+
+    dist = init_distributed()
+    try:
+        ids = np.arange(n, dtype=np.int64)[:, None].repeat(4, axis=1) + 100
+        feats = {"input_ids": ids, "token_type_ids": np.zeros_like(ids), "attention_mask": np.ones_like(ids)}
+        (out,) = distributed_forward(_EchoModel(), feats, lambda o: (o.logits,), dist, batch_size=2)
+        np.save(Path(out_dir) / f"rank{rank}.npy", out)
+    finally:
+        cleanup()
+
+
+def test_distributed_eval_two_processes_no_duplicates(tmp_path):
+    n = 7  # not a multiple of the world size: the sampler pads rank 1 with a duplicate
+    spawn(_gather_worker, 2, n, str(tmp_path))
+    for r in range(2):
+        out = np.load(tmp_path / f"rank{r}.npy")
+        assert out[:, 0].tolist() == [100.0 + i for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------- SQuAD
+
+def test_squad_v1_end_to_end(tmp_path, tiny_model, capsys):
+    data = shared_file(XQUAD)
+    out = tmp_path / "run"
+    rc = main(["finetune", "squad", "--train", str(data), "--dev", str(data), "--init", str(tiny_model),
+               "--output", str(out), "--data.train_articles", "0:2", "--data.dev_articles", "23:24",
+               "--data.max_seq_length", "128", "--data.doc_stride", "64", "--data.cache_dir", str(tmp_path / "c"),
+               "--train.max_steps", "3", *TINY])
+    assert rc == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    assert set(results) >= {"exact_match", "f1", "train_steps", "eval_examples"} and results["train_steps"] == 3
+    preds = json.loads((out / "predictions.json").read_text())
+    nbest = json.loads((out / "nbest_predictions.json").read_text())
+    dev = json.loads(data.read_text())["data"][23]
+    qids = [qa["id"] for p in dev["paragraphs"] for qa in p["qas"]]
+    assert sorted(preds) == sorted(qids) == sorted(nbest) and results["eval_examples"] == len(qids)
+    contexts = {qa["id"]: p["context"] for p in dev["paragraphs"] for qa in p["qas"]}
+    for qid, text in preds.items():  # answers are exact substrings of the original context
+        assert text in contexts[qid] and 1 <= len(nbest[qid]) <= 20
+        assert nbest[qid][0]["text"] == text
+    assert not (out / "null_odds.json").exists()
+    assert (out / "final" / "model.safetensors").is_file() and (out / "metrics.jsonl").is_file()
+    assert len(list(Path(tmp_path / "c").glob("*.npz"))) == 2  # train and eval features cached
+    capsys.readouterr()
+    # the official evaluation of the written predictions gives the numbers in eval_results.json
+    assert main(["evaluate", "squad", "--data", str(out / "dev-articles-23_24.json"),
+                 "--predictions", str(out / "predictions.json")]) == 0
+    official = json.loads(capsys.readouterr().out)
+    assert official == pytest.approx({"exact_match": results["exact_match"], "f1": results["f1"]})
+
+
+def _v2_fixture(path: Path, n_paragraphs: int) -> Path:
+    """Hand-made SQuAD v2.0: in each paragraph one answerable and two unanswerable questions."""
+    paras = []
+    for i in range(n_paragraphs):
+        name = ["ann", "bob", "cat", "dan", "eve", "fay"][i % 6]
+        ctx = f"{name} sat on the mat in the house with people . the dog sat over the family ."
+        paras.append({"context": ctx, "qas": [
+            {"id": f"p{i}-who", "question": "who sat on the mat ?", "is_impossible": False,
+             "answers": [{"text": name, "answer_start": 0}]},
+            {"id": f"p{i}-no1", "question": "who sat with the cat ?", "is_impossible": True, "answers": [],
+             "plausible_answers": [{"text": "the dog", "answer_start": ctx.index("the dog")}]},
+            {"id": f"p{i}-no2", "question": "and a family house ?", "is_impossible": True, "answers": []},
+        ]})
+    path.write_text(json.dumps({"version": "v2.0", "data": [{"title": "fixture", "paragraphs": paras}]}))
+    return path
+
+
+def test_squad_v2_end_to_end_with_unanswerable(tmp_path, tiny_model, capsys):
+    train = _v2_fixture(tmp_path / "train-v2.json", 6)
+    dev = _v2_fixture(tmp_path / "dev-v2.json", 3)
+    out = tmp_path / "run"
+    assert main(["finetune", "squad", "--version-2-with-negative", "--train", str(train), "--dev", str(dev),
+                 "--init", str(tiny_model), "--output", str(out), "--data.max_seq_length", "64", "--data.max_query_length", "16",
+                 "--data.cache_dir", "", "--train.max_steps", "6", *TINY]) == 0
+    capsys.readouterr()
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["version"] == "2.0"
+    assert results["HasAns_total"] == 3 and results["NoAns_total"] == 6 and results["total"] == 9
+    null_odds = json.loads((out / "null_odds.json").read_text())
+    preds = json.loads((out / "predictions.json").read_text())
+    assert sorted(null_odds) == sorted(preds) and len(preds) == 9
+    for qid, text in preds.items():  # prediction is "" exactly when the null score wins by more than 0
+        assert (text == "") == (null_odds[qid] > 0.0)
+    # evaluate-v2.0.py on the written files == eval_results.json; the best threshold is reproducible
+    assert main(["evaluate", "squad", "--data", str(dev), "--predictions", str(out / "predictions.json"),
+                 "--na-prob-file", str(out / "null_odds.json")]) == 0
+    official = json.loads(capsys.readouterr().out)
+    for k in ("exact", "f1", "HasAns_exact", "NoAns_f1", "best_exact", "best_f1", "best_f1_thresh"):
+        assert official[k] == pytest.approx(results[k]), k
+    best = json.loads((out / "predictions_best_f1_thresh.json").read_text())
+    assert results["at_best_f1_thresh"]["f1"] == pytest.approx(results["best_f1"])
+    assert sorted(best) == sorted(preds)
+    assert json.loads((out / "final" / "task.json").read_text())["version_2_with_negative"] is True
+
+
+# ----------------------------------------------------------------------------------------------- GLUE
+
+def test_glue_mnli_matched_mismatched_and_submission(tmp_path, tiny_model, capsys):
+    data = write_rte_like(tmp_path / "MNLI", task_labels=("entailment", "neutral", "contradiction"), mnli=True)
+    out = tmp_path / "run"
+    assert main(["finetune", "glue", "--task", "mnli", "--data-dir", str(data), "--init", str(tiny_model),
+                 "--output", str(out), "--data.max_seq_length", "32", "--train.epochs", "1", *TINY]) == 0
+    capsys.readouterr()
+    res = json.loads((out / "eval_results.json").read_text())
+    assert res["mnli-m"]["examples"] == 10 and res["mnli-mm"]["examples"] == 11
+    assert 0.0 <= res["mnli-m"]["accuracy"] <= 1.0 and res["train_steps"] == 6  # 24 examples / batch 4
+    for name, n in (("MNLI-m.tsv", 7), ("MNLI-mm.tsv", 9)):
+        lines = (out / name).read_text().splitlines()
+        assert lines[0] == "index\tprediction" and len(lines) == n + 1
+        assert [l.split("\t")[0] for l in lines[1:]] == [str(i) for i in range(n)]
+        assert {l.split("\t")[1] for l in lines[1:]} <= {"entailment", "neutral", "contradiction"}
+
+
+def test_resume_reproduces_straight_run(tmp_path, tiny_model, capsys):
+    """4 steps straight == 2 steps, checkpoint, 'crash', resume auto, 2 more steps (dropout on, RNG restored)."""
+    data = write_rte_like(tmp_path / "RTE", n_train=30)
+    common = ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(tiny_model),
+              "--data.max_seq_length", "32", "--train.max_steps", "4", "--data.predict_test", "false",
+              "--train.do_eval", "false", *TINY]
+    assert main([*common, "--output", str(tmp_path / "straight")]) == 0
+    resumed = tmp_path / "resumed"
+    assert main([*common, "--output", str(resumed), "--checkpoint.save_interval", "2",
+                 "--checkpoint.keep_last", "0"]) == 0
+    assert (resumed / "step-2" / "COMPLETE").is_file() and (resumed / "step-4" / "COMPLETE").is_file()
+    import shutil
+    shutil.rmtree(resumed / "step-4")
+    shutil.rmtree(resumed / "final")
+    assert main([*common, "--output", str(resumed), "--checkpoint.save_interval", "2", "--resume", "auto"]) == 0
+    capsys.readouterr()
+    a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    b = load_file(str(resumed / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    init = load_file(str(tiny_model / "model.safetensors"))
+    key = next(k for k in a if k.endswith("encoder.layer.0.attention.self.query.weight"))
+    assert not torch.equal(a[key], init[next(k for k in init if k.endswith("layer.0.attention.self.query.weight"))])
+    steps = [json.loads(l)["step"] for l in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the resumed run appends after its checkpoint, no step twice
+
+
+def test_distributed_finetune_two_ranks(tmp_path, tiny_model):
+    """`bertrain finetune glue` on 2 gloo ranks: every dev and test example scored exactly once."""
+    data = write_rte_like(tmp_path / "RTE", n_dev=11, n_test=7)
+    out = tmp_path / "run"
+    res = launch_cli(2, ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(tiny_model),
+                         "--output", str(out), "--data.max_seq_length", "32", "--train.max_steps", "3", *TINY])
+    for r in res:
+        assert r.returncode == 0, r.stdout[-3000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["dev"]["examples"] == 11
+    lines = (out / "RTE.tsv").read_text().splitlines()[1:]
+    assert [l.split("\t")[0] for l in lines] == [str(i) for i in range(7)]
+    assert "2 ranks" in res[0].stdout
+
+
+def test_bad_config_and_data_errors(tmp_path, tiny_model, capsys):
+    base = ["finetune", "glue", "--task", "rte", "--init", str(tiny_model), "--output", str(tmp_path / "o")]
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("optim:\n  nme: adamw\n")  # a typo in a config file: strict loading names the key
+    assert main([*base, "--data-dir", str(tmp_path), "--config", str(cfg)]) == 2
+    assert "unknown config key 'optim.nme'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # and on the command line argparse refuses it
+        main([*base, "--data-dir", str(tmp_path), "--optim.nme", "adamw"])
+    assert main([*base, "--data-dir", str(tmp_path / "nowhere")]) == 2
+    assert "train.tsv does not exist" in capsys.readouterr().err
+    assert main(["finetune", "glue", "--task", "xnli", "--data-dir", ".", "--init", ".", "--output", "o"]) == 2
+    assert "unknown GLUE task 'xnli'" in capsys.readouterr().err
+    assert main(["finetune", "squad", "--init", str(tiny_model), "--output", str(tmp_path / "o")]) == 2
+    assert "data.train_file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- real weights
+
+def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, capsys):
+    """The real weights on a slice of the real MRPC (first 48 train / 64 dev lines, copied to a temp folder with
+    their header and byte-order mark): fine-tune 3 steps, evaluate, export, predict."""
+    src = shared_file("glue/MRPC/train.tsv").parent
+    data = tmp_path / "MRPC"
+    data.mkdir()
+    for name, n in (("train.tsv", 48), ("dev.tsv", 64)):
+        lines = (src / name).read_bytes().split(b"\n")
+        (data / name).write_bytes(b"\n".join(lines[: n + 1]) + b"\n")
+    out = tmp_path / "mrpc"
+    assert main(["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(minilm_path),
+                 "--output", str(out), "--data.max_seq_length", "64", "--train.max_steps", "3",
+                 "--train.micro_batch_size", "16"]) == 0
+    capsys.readouterr()
+    res = json.loads((out / "eval_results.json").read_text())
+    assert res["dev"]["examples"] == 64 and {"accuracy", "f1", "majority_baseline_accuracy"} <= set(res["dev"])
+    assert res["train_examples"] == 48 and res["train_steps"] == 3 and "test_predictions" not in res
+    # the exported model predicts with the task's label names, from the Python API
+    from bertrain.tasks.predict import Predictor
+    p = Predictor(out / "final")
+    recs = p.predict([{"text": "The cat sat.", "text_pair": "A cat was sitting."}, {"text": "Hello there."}])
+    assert [r["label"] in ("0", "1") for r in recs] == [True, True]
+    assert all(abs(sum(r["probabilities"].values()) - 1) < 1e-5 for r in recs)
+
+
+# ----------------------------------------------------------------------------------------------- predict
+
+def test_predict_command_qa(tmp_path, tiny_model, capsys, monkeypatch):
+    train = _v2_fixture(tmp_path / "train.json", 2)
+    out = tmp_path / "run"
+    assert main(["finetune", "squad", "--train", str(train), "--init", str(tiny_model), "--output", str(out),
+                 "--data.max_seq_length", "64", "--data.max_query_length", "16", "--data.cache_dir", "", "--train.max_steps", "1",
+                 "--train.do_eval", "false", "--version-2-with-negative", *TINY]) == 0
+    model = out / "final"
+    items = tmp_path / "in.jsonl"
+    ctx = "ann sat on the mat in the house ."
+    items.write_text("\n".join(json.dumps({"id": f"x{i}", "question": "who sat ?", "context": ctx})
+                               for i in range(5)) + "\n\n")
+    capsys.readouterr()
+    assert main(["predict", "--model", str(model), "--input", str(items), "--batch-size", "2"]) == 0
+    cap = capsys.readouterr()
+    recs = [json.loads(l) for l in cap.out.splitlines()]
+    assert [r["id"] for r in recs] == [f"x{i}" for i in range(5)]
+    for r in recs:
+        assert "null_score_diff" in r and (r["answer"] == "" or r["answer"] in ctx)
+        if r["answer"]:
+            assert ctx[r["start"]:r["end"]] == r["answer"]
+    assert "5 examples in" in cap.err and "examples/s" in cap.err
+    # stdin, TSV
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"who sat ?\t{ctx}\n"))
+    assert main(["predict", "--model", str(model), "--format", "tsv", "--input", "-"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    # a malformed line names the file and the line
+    items.write_text(json.dumps({"question": "q", "context": "c"}) + "\n{oops\n")
+    assert main(["predict", "--model", str(model), "--input", str(items)]) == 2
+    assert f"{items}:2: malformed JSON" in capsys.readouterr().err
