@@ -1,0 +1,535 @@
+"""BERT (Devlin et al., 2018) in one file: config and presets, the encoder, and the pretraining / classification /
+span-extraction heads. Read it top to bottom; shapes are in the comments (B batch, T tokens, H hidden,
+nh heads, hs head size, P masked positions, V vocabulary).
+
+Module and parameter names follow Hugging Face's `BertModel` so that anyone who knows it finds their way, with one
+difference: the query/key/value projections are a single fused Linear (`attention.self.qkv`, H -> 3H). The key map
+in `bertrain.model.hf` splits and concatenates them; it is the only place that knows about checkpoint formats.
+
+The vocabulary is padded internally to a multiple of `pad_vocab_size_multiple` (8) so that the embedding and
+decoder matmuls get tensor-core friendly shapes. The extra embedding rows and decoder-bias entries start at zero and
+stay zero (no input id reaches them and the logits are sliced back to `vocab_size` before any loss), so exporting
+by slicing and importing by zero-padding is lossless.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------- config
+
+# HF's names for activations (transformers.activations.ACT2FN) -> the function we use.
+ACTIVATIONS = {
+    "gelu": F.gelu,                                                    # exact erf GELU, as in BERT
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),               # tanh approximation (GPT-2 style)
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class BertConfig:
+    """The fields of an HF/Google BERT `config.json`, plus bertrain's vocabulary padding."""
+
+    vocab_size: int = 30522
+    """Number of tokens in the WordPiece vocabulary (lines of vocab.txt)."""
+    hidden_size: int = 768
+    """Width H of every token representation."""
+    num_hidden_layers: int = 12
+    """Number of transformer encoder layers."""
+    num_attention_heads: int = 12
+    """Attention heads per layer; hidden_size must be divisible by it."""
+    intermediate_size: int = 3072
+    """Width of the feed-forward layer inside each encoder layer (usually 4*H)."""
+    hidden_act: str = "gelu"
+    """Activation of the feed-forward layer and the MLM transform: gelu (exact erf), gelu_new, relu, silu, ..."""
+    hidden_dropout_prob: float = 0.1
+    """Dropout on embeddings and on the output of every sub-layer."""
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on the attention probabilities."""
+    max_position_embeddings: int = 512
+    """Longest sequence the learned position embeddings cover."""
+    type_vocab_size: int = 2
+    """Number of segment (token type) ids: 2 for sentence A / B."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    layer_norm_eps: float = 1e-12
+    """Epsilon of every LayerNorm."""
+    pad_token_id: int | None = 0
+    """Id of [PAD]; its embedding row starts at zero and gets no gradient from the input side (as in HF)."""
+    classifier_dropout: float | None = None
+    """Dropout before the classification head; None means hidden_dropout_prob."""
+    pad_vocab_size_multiple: int = 8
+    """Pad the embedding/decoder rows internally to a multiple of this (speed); 1 disables. Not exported."""
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                raise ValueError(f"BertConfig.{name} = {getattr(self, name)!r}: {why}")
+
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size", "pad_vocab_size_multiple"):
+            v = getattr(self, name)
+            check(name, isinstance(v, int) and not isinstance(v, bool) and v >= 1, "must be a positive integer")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
+                     "initializer_range", "layer_norm_eps"):
+            v = getattr(self, name)
+            if v is None and name == "classifier_dropout":
+                continue
+            if "dropout" in name:
+                check(name, number(v) and 0 <= v < 1, "must be a probability in [0, 1)")
+            else:
+                check(name, number(v) and v > 0, "must be a positive number")
+            setattr(self, name, float(v))  # JSON writes 0 for 0.0
+        check("hidden_act", isinstance(self.hidden_act, str) and self.hidden_act in ACTIVATIONS,
+              f"unsupported activation; choose one of {', '.join(ACTIVATIONS)}")
+        check("hidden_size", self.hidden_size % self.num_attention_heads == 0,
+              f"must be divisible by num_attention_heads ({self.num_attention_heads})")
+        v = self.pad_token_id
+        check("pad_token_id", v is None or (type(v) is int and 0 <= v < self.vocab_size),
+              f"must be a token id in [0, vocab_size={self.vocab_size}) or None")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of pad_vocab_size_multiple: the rows actually allocated."""
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> BertConfig:
+        """A named size: tiny (tests), mini, small, medium, base (BERT-Base), large (BERT-Large)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
+        """Read an HF or Google `config.json` (unrelated keys such as `architectures` are ignored)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: config file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BertConfig:
+        """Build from a config.json-style dict: known fields are taken, HF bookkeeping keys ignored, and keys that
+        would change the architecture into something this model is not (another model_type, relative positions,
+        a decoder) are rejected."""
+        if data.get("model_type", "bert") != "bert":
+            raise ValueError(f"model_type = {data['model_type']!r}: only 'bert' models are supported")
+        if data.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type = {data['position_embedding_type']!r}: only 'absolute'")
+        for key in ("is_decoder", "add_cross_attention"):
+            if data.get(key):
+                raise ValueError(f"{key} = {data[key]!r}: only encoder BERT models are supported")
+        if "embedding_size" in data and data["embedding_size"] != data.get("hidden_size"):
+            raise ValueError(f"embedding_size = {data['embedding_size']!r}: factorised embeddings are not BERT")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        return cls(**kwargs)
+
+    def to_hf_dict(self, architectures: list[str] | None = None) -> dict[str, Any]:
+        """The config.json that `transformers.BertConfig` reads (vocabulary padding is internal: not written)."""
+        d: dict[str, Any] = {"architectures": architectures or ["BertForPreTraining"], "model_type": "bert"}
+        d.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        del d["pad_vocab_size_multiple"]
+        d.update(position_embedding_type="absolute", tie_word_embeddings=True)
+        return d
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # layers x hidden x heads; intermediate = 4 * hidden. tiny is for tests: a forward/backward takes milliseconds.
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=256),
+    "mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+    "small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
+    "medium": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
+    "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+@dataclass
+class BertModelOutput:
+    last_hidden_state: torch.Tensor               # (B, T, H)
+    pooler_output: torch.Tensor | None = None     # (B, H): tanh(dense(h[CLS])); None without a pooler
+
+
+@dataclass
+class BertForPreTrainingOutput:
+    loss: torch.Tensor | None = None              # mlm_loss + nsp_loss (whichever labels were given)
+    mlm_loss: torch.Tensor | None = None          # mean over targets != -100 (0 when there are none)
+    nsp_loss: torch.Tensor | None = None          # mean over labels != -100 (0 when there are none)
+    prediction_logits: torch.Tensor | None = None  # (B, T, V), or (B, P, V) with masked_positions
+    seq_relationship_logits: torch.Tensor | None = None  # (B, 2): 0 = B follows A, 1 = B is random
+
+
+@dataclass
+class SequenceClassifierOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None            # (B, num_labels)
+
+
+@dataclass
+class QuestionAnsweringOutput:
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None      # (B, T)
+    end_logits: torch.Tensor | None = None        # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------- encoder
+
+class BertEmbeddings(nn.Module):
+    """word + position + token type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        # padding_idx: the [PAD] row gets no gradient from the input side (HF does the same; needed for parity).
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size,
+                                            padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.size(1)
+        positions = torch.arange(T, device=input_ids.device)  # (T,)
+        x = (self.word_embeddings(input_ids)                   # (B, T, H)
+             + self.token_type_embeddings(token_type_ids)      # (B, T, H)
+             + self.position_embeddings(positions))            # (T, H), broadcast over B
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection and PyTorch's scaled_dot_product_attention."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)  # rows: [query; key; value]
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, H = x.shape
+        q, k, v = self.qkv(x).split(H, dim=-1)                             # 3 x (B, T, H)
+        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # mask: (B, 1, 1, T) bool, True = attend; scale defaults to 1/sqrt(hs) as in BERT
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.dropout_p if self.training else 0.0)  # (B, nh, T, hs)
+        return y.transpose(1, 2).reshape(B, T, H)                          # (B, T, H)
+
+
+class BertAddNorm(nn.Module):
+    """Post-LN sub-layer output: dense -> dropout -> add the residual -> LayerNorm (HF's BertSelfOutput/BertOutput)."""
+
+    def __init__(self, in_features: int, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)     # (B, T, H)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertAddNorm(config.hidden_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))                                     # (B, T, I)
+
+
+class BertLayer(nn.Module):
+    """One post-LN encoder layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertAddNorm(config.intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.attention(x, mask)                                        # (B, T, H)
+        return self.output(self.intermediate(x), x)                        # (B, T, H)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(h[CLS])): the sentence representation used by NSP and sequence classification."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(h[:, 0]))                             # (B, H)
+
+
+# ----------------------------------------------------------------------------------------------- shared base
+
+class BertPreTrainedModel(nn.Module):
+    """What every class shares: the config, BERT initialisation, tokenizer files, and HF-format loading/saving
+    (implemented in `bertrain.model.hf`)."""
+
+    config: BertConfig
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.tokenizer_files: dict[str, bytes] = {}  # vocab.txt, tokenizer_config.json, ... written by save_pretrained
+
+    @torch.no_grad()
+    def init_weights(self, module: nn.Module | None = None) -> None:
+        """BERT initialisation of `module` (default: everything): weights ~ N(0, initializer_range), biases 0,
+        LayerNorm 1/0; the [PAD] embedding row, the padded vocabulary rows and the MLM decoder bias start at 0."""
+        std = self.config.initializer_range
+        root = module if module is not None else self
+        for m in root.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
+                if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, BertLMPredictionHead):
+                nn.init.zeros_(m.bias)
+        for m in root.modules():  # after the loop above, which visits parents before children
+            if isinstance(m, BertEmbeddings):
+                m.word_embeddings.weight[self.config.vocab_size:].zero_()
+
+    def num_parameters(self, exclude_padding: bool = True) -> int:
+        """Number of parameters (tied weights counted once), by default without the padded vocabulary rows."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_padding:
+            extra = self.config.padded_vocab_size - self.config.vocab_size
+            has_decoder_bias = any(isinstance(m, BertLMPredictionHead) for m in self.modules())
+            n -= extra * self.config.hidden_size + extra * has_decoder_bias
+        return n
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any):
+        """Load an HF-format folder or a bertrain checkpoint folder; missing heads are initialised and reported.
+        Keyword arguments override config fields (e.g. hidden_dropout_prob=0.0); `num_labels` for classification."""
+        from bertrain.model.hf import load_pretrained
+        return load_pretrained(cls, path, **kwargs)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write config.json, model.safetensors (HF key names) and the tokenizer files into `path`."""
+        from bertrain.model.hf import save_pretrained
+        save_pretrained(self, path)
+
+
+def _attention_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) 1 = token, 0 = padding -> (B, 1, 1, T) bool for SDPA, True = attend."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    # A row with no real token at all would make softmax over nothing -> NaN; let such rows attend everywhere.
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask[:, None, None, :]
+
+
+class BertModel(BertPreTrainedModel):
+    """The encoder: embeddings, `num_hidden_layers` post-LN layers and (optionally) the pooler."""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.init_weights()
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> BertModelOutput:
+        if input_ids.size(1) > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.size(1)} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids)                  # (B, T, H)
+        h = self.encoder(x, _attention_mask(attention_mask))             # (B, T, H)
+        return BertModelOutput(last_hidden_state=h, pooler_output=self.pooler(h) if self.pooler else None)
+
+
+# ----------------------------------------------------------------------------------------------- heads
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(h)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """MLM head: transform, then the decoder whose weight is the word embedding matrix (tied) plus its own bias."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+
+    def forward(self, h: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
+        h = self.transform(h)                                              # (..., H)
+        logits = F.linear(h, decoder_weight, self.bias)                    # (..., padded V)
+        return logits[..., :self.vocab_size]                               # (..., V): padding sliced off
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+def _mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over labels != -100, and 0 (not NaN) when every label is -100. The zero still
+    depends on `logits`, so every parameter gets a (zero) gradient, which DDP needs."""
+    labels = labels.reshape(-1)
+    total = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum().clamp(min=1)
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    """BERT with the masked-LM and next-sentence-prediction heads."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.init_weights(self.cls)  # self.bert initialised itself
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, masked_positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                next_sentence_label: torch.Tensor | None = None) -> BertForPreTrainingOutput:
+        """masked_positions (B, P): run the (vocabulary-wide, expensive) MLM head only there; `labels` is then
+        (B, P) aligned with it, else (B, T). -100 = ignore. next_sentence_label (B,): 0 IsNext, 1 random, -100."""
+        out = self.bert(input_ids, token_type_ids, attention_mask)
+        h = out.last_hidden_state                                          # (B, T, H)
+        if masked_positions is not None:
+            index = masked_positions.unsqueeze(-1).expand(-1, -1, h.size(-1))  # (B, P, H)
+            h = h.gather(1, index)                                         # (B, P, H)
+        decoder_weight = self.bert.embeddings.word_embeddings.weight      # (padded V, H), tied
+        prediction_logits = self.cls.predictions(h, decoder_weight)        # (B, T or P, V)
+        seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
+
+        mlm_loss = _mean_ce(prediction_logits, labels) if labels is not None else None
+        nsp_loss = _mean_ce(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
+        losses = [loss for loss in (mlm_loss, nsp_loss) if loss is not None]
+        return BertForPreTrainingOutput(loss=torch.stack(losses).sum() if losses else None, mlm_loss=mlm_loss,
+                                        nsp_loss=nsp_loss, prediction_logits=prediction_logits,
+                                        seq_relationship_logits=seq_relationship_logits)
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """Pooled [CLS] -> dropout -> linear. num_labels == 1 is regression (MSE), otherwise cross-entropy."""
+
+    def __init__(self, config: BertConfig, num_labels: int = 2):
+        super().__init__(config)
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"num_labels = {num_labels!r}: must be a positive integer")
+        self.num_labels = num_labels
+        self.bert = BertModel(config)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, num_labels)
+        self.init_weights(self.classifier)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output  # (B, H)
+        logits = self.classifier(self.dropout(pooled))                    # (B, num_labels)
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.view(-1).float(), labels.view(-1).float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.view(-1))
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Span extraction (SQuAD): a start and an end logit for every token. No pooler, as in HF."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.init_weights(self.qa_outputs)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
+                end_positions: torch.Tensor | None = None) -> QuestionAnsweringOutput:
+        h = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state  # (B, T, H)
+        start_logits, end_logits = self.qa_outputs(h).unbind(dim=-1)       # 2 x (B, T)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # As HF: positions outside the sequence are clamped to T and ignored; loss = (CE_start + CE_end) / 2.
+            T = start_logits.size(1)
+            start = start_positions.view(-1).clamp(0, T)
+            end = end_positions.view(-1).clamp(0, T)
+            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=T)
+                    + F.cross_entropy(end_logits.float(), end, ignore_index=T)) / 2
+        return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+
+
+MODEL_CLASSES: dict[str, type[BertPreTrainedModel]] = {
+    c.__name__: c for c in (BertModel, BertForPreTraining, BertForSequenceClassification, BertForQuestionAnswering)
+}
+

@@ -1,0 +1,365 @@
+"""Hugging Face format is bertrain's exchange format: one key map for both directions, plus folder I/O.
+
+bertrain's parameter names are HF's, except that query/key/value are one fused Linear and the vocabulary rows
+are padded to a multiple of 8. So the whole key map (torchtitan's "state dict adapter" idea) is two rules:
+
+    <prefix>attention.self.qkv.{weight,bias}  <->  <prefix>attention.self.{query,key,value}.{weight,bias}
+    embeddings.word_embeddings.weight, cls.predictions.bias: padded rows  <->  the first vocab_size rows
+
+`to_hf_state_dict` / `from_hf_state_dict` apply them to any dict of tensors (parameters, or their gradients).
+Around them: reading HF folders written by any transformers version or converted from Google's checkpoints
+(`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style `gamma`/`beta`), and
+writing folders that `transformers` loads without a missing-weight warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bertrain.model.bert import (
+    MODEL_CLASSES,
+    BertConfig,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertModel,
+    BertPreTrainedModel,
+)
+from bertrain.utils.io import atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAMES = ("config.json", "bert_config.json")  # HF, then Google's original release
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
+                   "added_tokens.json")
+SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                  "mask_token": "[MASK]"}
+
+_QKV = ".attention.self.qkv."
+_QKV_PARTS = (".attention.self.query.", ".attention.self.key.", ".attention.self.value.")
+_VOCAB_ROWS = ("embeddings.word_embeddings.weight", "cls.predictions.bias")
+_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # HF buffers, not weights
+_TIED_DECODER = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # = word embeddings / bias
+_BASE_ROOTS = ("embeddings.", "encoder.", "pooler.")
+# Groups of keys a checkpoint may lack; reported by name when initialised.
+HEADS = {"pooler": "pooler.", "MLM head": "cls.predictions.", "NSP head": "cls.seq_relationship.",
+         "classification head": "classifier.", "QA head": "qa_outputs."}
+
+
+# ----------------------------------------------------------------------------------------------- the key map
+
+def _tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    return obj.state_dict() if isinstance(obj, nn.Module) else obj
+
+
+def _is_vocab_rows(key: str) -> bool:
+    return any(key == k or key.endswith("." + k) for k in _VOCAB_ROWS)
+
+
+def to_hf_state_dict(obj: nn.Module | Mapping[str, torch.Tensor],
+                     config: BertConfig | None = None) -> dict[str, torch.Tensor]:
+    """bertrain names -> HF names: split the fused QKV, slice the vocabulary padding off. `obj` is a model or any
+    dict keyed like its state_dict (e.g. parameter gradients); the result holds views (clone before mutating)."""
+    if config is None:
+        if not isinstance(obj, BertPreTrainedModel):
+            raise TypeError("to_hf_state_dict: pass `config` with a plain dict of tensors")
+        config = obj.config
+    out: dict[str, torch.Tensor] = {}
+    for key, t in _tensors(obj).items():
+        if _QKV in key:
+            for part, chunk in zip(_QKV_PARTS, t.chunk(3, dim=0)):
+                out[key.replace(_QKV, part)] = chunk
+        elif _is_vocab_rows(key):
+            out[key] = t[:config.vocab_size]
+        else:
+            out[key] = t
+    return out
+
+
+def from_hf_state_dict(hf: Mapping[str, torch.Tensor], config: BertConfig) -> dict[str, torch.Tensor]:
+    """HF names -> bertrain names (the inverse of `to_hf_state_dict`): concatenate Q/K/V, zero-pad the vocabulary
+    rows. Keys must already carry the target model's prefix (see `load_pretrained`)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in hf.items():
+        if _QKV_PARTS[0] in key:
+            parts = [key.replace(_QKV_PARTS[0], p) for p in _QKV_PARTS]
+            missing = [p for p in parts if p not in hf]
+            if missing:
+                raise ValueError(f"{key} is present but {', '.join(missing)} is not")
+            out[key.replace(_QKV_PARTS[0], _QKV)] = torch.cat([hf[p] for p in parts], dim=0)
+        elif any(p in key for p in _QKV_PARTS[1:]):
+            continue  # consumed with the query
+        elif _is_vocab_rows(key):
+            pad = config.padded_vocab_size - t.shape[0]
+            out[key] = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+        else:
+            out[key] = t
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def find_config_file(path: Path) -> Path:
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a folder (expected an HF model folder with config.json)")
+    for name in CONFIG_NAMES:
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(f"{path}: no config.json in this folder; an HF/bertrain model folder needs config.json "
+                     f"(with the BERT sizes) beside model.safetensors or pytorch_model.bin")
+
+
+def _load_weights_file(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(f))
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt/truncated files: name the file
+        raise ValueError(f"{f}: cannot read weights: {e}") from None
+    if not isinstance(sd, dict):
+        raise ValueError(f"{f}: expected a dict of tensors, got {type(sd).__name__}")
+    return sd
+
+
+def weights_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of an HF folder: model.safetensors, else pytorch_model.bin (or their sharded forms)."""
+    path = Path(path)
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PYTORCH_BIN, PYTORCH_BIN_INDEX)):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path / index}: not a valid weights index: {e}") from None
+            return [path / name for name in dict.fromkeys(weight_map.values())]
+    if list(path.glob("*.ckpt.index")) or list(path.glob("*.ckpt*.index")):
+        raise ValueError(f"{path}: holds a TensorFlow checkpoint (*.ckpt), which bertrain does not read; convert it "
+                         f"with transformers' convert_bert_original_tf_checkpoint_to_pytorch first")
+    raise ValueError(f"{path}: no weights found (expected {SAFETENSORS} or {PYTORCH_BIN})")
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder's weight file(s), under the names stored there."""
+    sd: dict[str, torch.Tensor] = {}
+    for f in weights_files(path):
+        sd.update(_load_weights_file(f))
+    return sd
+
+
+def _normalize_keys(raw: Mapping[str, torch.Tensor], with_prefix: bool) -> dict[str, torch.Tensor]:
+    """Bring checkpoint keys to HF's modern names for the target class: `bert.` prefix on the encoder keys iff the
+    class has it, TF-style LayerNorm gamma/beta -> weight/bias, buffers dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in raw.items():
+        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
+        key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
+        base = key[len("bert."):] if key.startswith("bert.") else key
+        if base in _BUFFERS:
+            continue
+        if base.startswith(_BASE_ROOTS):
+            key = "bert." + base if with_prefix else base
+        out[key] = t
+    return out
+
+
+def vocab_size_of(vocab: bytes) -> int:
+    """Lines of a vocab.txt (one token per line; only '\\n' separates, as HF's BertTokenizer reads it)."""
+    text = vocab.decode("utf-8")
+    return len(text.split("\n")) - (1 if text.endswith("\n") else 0) if text else 0
+
+
+def read_tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
+    """The tokenizer files present in an HF folder (vocab.txt, tokenizer_config.json, ...); a Google-style folder
+    with only vocab.txt gets HF's tokenizer_config.json and special_tokens_map.json generated."""
+    path = Path(path)
+    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+    if "vocab.txt" in files and "tokenizer_config.json" not in files:
+        # Google's releases say "uncased"/"cased" in the folder name; uncased (lower-casing) is the common default.
+        lower = not ("cased" in path.name.lower() and "uncased" not in path.name.lower())
+        log.info("%s: no tokenizer_config.json; writing one with do_lower_case=%s", path, lower)
+        generated = tokenizer_files_from_vocab(path / "vocab.txt", do_lower_case=lower)
+        files = {**generated, **files}
+    return files
+
+
+def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **kwargs: Any) -> BertPreTrainedModel:
+    """`cls.from_pretrained(path, **kwargs)`: see `BertPreTrainedModel.from_pretrained`."""
+    path = Path(path)
+    config_file = find_config_file(path)
+    config = BertConfig.from_json_file(config_file)  # validates, naming the file
+    raw_config = json.loads(config_file.read_text(encoding="utf-8"))
+    num_labels = kwargs.pop("num_labels", None)
+    if num_labels is not None and cls is not BertForSequenceClassification:
+        raise TypeError(f"{cls.__name__}.from_pretrained: num_labels is only for BertForSequenceClassification")
+    fields = set(config.__dataclass_fields__)
+    unknown = [k for k in kwargs if k not in fields]
+    if unknown:
+        raise TypeError(f"{cls.__name__}.from_pretrained: unknown argument(s) {', '.join(unknown)}; "
+                        f"config fields can be overridden: {', '.join(sorted(fields))}")
+    if kwargs:
+        try:
+            config = BertConfig(**{**config.__dict__, **kwargs})
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from None
+
+    tokenizer_files = read_tokenizer_files(path)
+    if "vocab.txt" in tokenizer_files:
+        n = vocab_size_of(tokenizer_files["vocab.txt"])
+        if n != config.vocab_size:
+            raise ValueError(f"{path / 'vocab.txt'} has {n} tokens but {config_file} says vocab_size = "
+                             f"{config.vocab_size}; the vocabulary and the model do not belong together")
+
+    source_file = ", ".join(str(f) for f in weights_files(path))
+    raw = load_hf_state_dict(path)
+    with_prefix = cls is not BertModel
+    source = _normalize_keys(raw, with_prefix)
+
+    # The MLM decoder is tied to the word embeddings; old checkpoints store copies of both it and its bias.
+    mlm = "cls.predictions."
+    if mlm + "decoder.bias" in source and mlm + "bias" not in source:
+        source[mlm + "bias"] = source[mlm + "decoder.bias"]
+    for key in _TIED_DECODER:
+        source.pop(key, None)
+
+    if cls is BertForSequenceClassification:
+        found = source["classifier.weight"].shape[0] if "classifier.weight" in source else None
+        from_config = len(raw_config["id2label"]) if isinstance(raw_config.get("id2label"), dict) else None
+        if num_labels is None:
+            num_labels = found or raw_config.get("num_labels") or from_config or 2
+        elif found is not None and found != num_labels:
+            log.warning("%s: the classification head has %d labels, not num_labels=%d: re-initialising it",
+                        source_file, found, num_labels)
+            source.pop("classifier.weight"), source.pop("classifier.bias", None)
+        model = cls(config, num_labels=num_labels)
+        id2label = raw_config.get("id2label")
+        if isinstance(id2label, dict) and len(id2label) == num_labels:
+            model.id2label = {int(k): str(v) for k, v in id2label.items()}
+    else:
+        model = cls(config)
+
+    template = to_hf_state_dict(model)  # every HF key this class has, with its shape
+    for key, t in source.items():
+        if key in template and tuple(t.shape) != tuple(template[key].shape):
+            raise ValueError(f"{source_file}: {key} has shape {tuple(t.shape)} but {config_file} implies "
+                             f"{tuple(template[key].shape)}; the weights and config.json do not belong together")
+    missing = [k for k in template if k not in source]
+    unexpected = [k for k in source if k not in template]
+    initialised = _head_groups(missing)
+    not_heads = [k for k in missing if not any(k.split("bert.", 1)[-1].startswith(p) for p in HEADS.values())]
+    if not_heads:
+        raise ValueError(f"{source_file}: missing {len(not_heads)} encoder weight(s) for {cls.__name__}: "
+                         f"{_short(not_heads)}")
+
+    hf = {k: source[k].to(template[k].dtype) for k in template if k in source}
+    ours = from_hf_state_dict(hf, config)
+    result = model.load_state_dict(ours, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    model.tokenizer_files = tokenizer_files
+
+    if initialised:
+        log.warning("%s: no weights for the %s in %s: initialised randomly (train before use)", cls.__name__,
+                    ", ".join(f"{name} ({HEADS[name]}*)" for name in initialised), path)
+    other_heads = [k for k in unexpected if k.split("bert.", 1)[-1].startswith(tuple(HEADS.values()))]
+    strange = [k for k in unexpected if k not in other_heads]
+    if other_heads:
+        log.info("%s: not using %d head weight(s) of %s: %s", cls.__name__, len(other_heads), path,
+                 _short(other_heads))
+    if strange:
+        log.warning("%s: ignoring %d unexpected weight(s) in %s: %s", cls.__name__, len(strange), source_file,
+                    _short(strange))
+    model.loading_info = {"initialized": initialised, "missing_keys": missing, "unexpected_keys": unexpected}
+    return model
+
+
+def _head_groups(keys: list[str]) -> list[str]:
+    return [name for name, prefix in HEADS.items() if any(k.split("bert.", 1)[-1].startswith(prefix) for k in keys)]
+
+
+def _short(keys: list[str], n: int = 8) -> str:
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+
+
+def model_class_for(path: str | os.PathLike) -> type[BertPreTrainedModel]:
+    """The bertrain class for a folder: the one named in config.json's architectures, else by the heads present."""
+    path = Path(path)
+    raw = json.loads(find_config_file(path).read_text(encoding="utf-8"))
+    for name in raw.get("architectures") or []:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    keys = {k.split("bert.", 1)[-1] for k in load_hf_state_dict(path)}
+    if any(k.startswith("qa_outputs.") for k in keys):
+        return BertForQuestionAnswering
+    if any(k.startswith("classifier.") for k in keys):
+        return BertForSequenceClassification
+    if any(k.startswith("cls.") for k in keys):
+        return BertForPreTraining
+    return BertModel
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+def tokenizer_files_from_vocab(vocab_file: str | os.PathLike, do_lower_case: bool = True,
+                               model_max_length: int = 512) -> dict[str, bytes]:
+    """vocab.txt, tokenizer_config.json and special_tokens_map.json for HF's BertTokenizer, from a WordPiece
+    vocab.txt that holds BERT's special tokens."""
+    vocab_file = Path(vocab_file)
+    try:
+        vocab = vocab_file.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{vocab_file}: vocabulary file not found") from None
+    tokens = set(vocab.decode("utf-8").split("\n"))
+    absent = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
+    if absent:
+        raise ValueError(f"{vocab_file}: BERT's special token(s) {', '.join(absent)} are not in the vocabulary")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": do_lower_case, "do_basic_tokenize": True,
+              "tokenize_chinese_chars": True, "strip_accents": None, "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": True, **SPECIAL_TOKENS}
+    return {"vocab.txt": vocab,
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+            "special_tokens_map.json": (json.dumps(SPECIAL_TOKENS, indent=2) + "\n").encode()}
+
+
+def hf_config_dict(model: BertPreTrainedModel) -> dict[str, Any]:
+    """config.json for `model`: the BERT fields, its class as the architecture, labels for classification."""
+    d = model.config.to_hf_dict([type(model).__name__])
+    if isinstance(model, BertForSequenceClassification):
+        id2label = getattr(model, "id2label", None) or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+        d["id2label"] = {str(i): label for i, label in sorted(id2label.items())}
+        d["label2id"] = {label: i for i, label in sorted(id2label.items())}
+        if model.num_labels == 1:
+            d["problem_type"] = "regression"
+    return d
+
+
+def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None:
+    """Write an HF folder into `path` (created if needed; other files in it are left alone, so a trainer can add
+    its own). Each file is written atomically; config.json last."""
+    from safetensors.torch import save as save_safetensors
+
+    path = Path(path)
+    files = dict(getattr(model, "tokenizer_files", {}) or {})
+    if "vocab.txt" in files and vocab_size_of(files["vocab.txt"]) != model.config.vocab_size:
+        raise ValueError(f"{path}: the model's vocab.txt has {vocab_size_of(files['vocab.txt'])} tokens but "
+                         f"vocab_size = {model.config.vocab_size}; refusing to write a folder that cannot load")
+    if not files:
+        log.warning("%s: the model carries no tokenizer files; the folder will have no vocab.txt "
+                    "(set model.tokenizer_files = tokenizer_files_from_vocab(...))", path)
+    # Own, contiguous CPU copies: safetensors refuses views that share storage.
+    tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in to_hf_state_dict(model).items()}
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path / SAFETENSORS, save_safetensors(tensors, metadata={"format": "pt"}))
+    for name, data in files.items():
+        atomic_write_bytes(path / name, data)
+    atomic_write_json(path / "config.json", hf_config_dict(model))

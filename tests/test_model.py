@@ -1,0 +1,268 @@
+"""The model on its own: config and presets, shapes, masks, losses, vocabulary padding, heads."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
+from bertrain.commands.info import flops_per_token
+from bertrain.model.bert import PRESETS
+
+V = 101  # a small vocabulary that is not a multiple of 8
+
+
+def tiny(**kw) -> BertConfig:
+    return BertConfig.from_preset("tiny", vocab_size=V, **kw)
+
+
+def random_batch(B=4, T=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 10:] = 0
+    ids[1, 10:] = 0
+    return ids, torch.zeros_like(ids), mask
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds(name):
+    cfg = BertConfig.from_preset(name)
+    assert cfg.vocab_size == 30522 and cfg.padded_vocab_size == 30528
+    assert cfg.hidden_size % cfg.num_attention_heads == 0
+    device = "cpu" if name in ("tiny", "mini", "small") else "meta"  # real memory only for the small ones
+    with torch.device(device):
+        model = BertForPreTraining(cfg)
+    assert model.num_parameters() > 0
+
+
+def test_parameter_counts_match_bert_paper_and_hf():
+    # Counts of transformers' BertModel / BertForPreTraining for bert-base/large-uncased (30522 vocabulary).
+    expected = {"base": (109_482_240, 110_106_428), "large": (335_141_888, 336_226_108)}
+    for name, (encoder, pretraining) in expected.items():
+        cfg = BertConfig.from_preset(name)
+        with torch.device("meta"):
+            assert BertModel(cfg).num_parameters() == encoder
+            m = BertForPreTraining(cfg)
+        assert m.num_parameters() == pretraining
+        assert m.num_parameters(exclude_padding=False) == pretraining + 6 * (cfg.hidden_size + 1)
+    # Training FLOPs per token ~ 6 x parameters (the weights' matmuls, forward + backward) plus attention.
+    assert 6 * 110e6 < flops_per_token(BertConfig.from_preset("base"), 128) < 6.6 * 110e6
+
+
+def test_tiny_preset_is_fast():
+    cfg = tiny()
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (2, 64, 2)
+
+
+def test_preset_overrides_and_unknown_preset():
+    assert BertConfig.from_preset("base", vocab_size=1000).vocab_size == 1000
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        BertConfig.from_preset("huge")
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(hidden_size=100, num_attention_heads=3), "hidden_size"),
+    (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
+    (dict(hidden_act="gelu_magic"), "hidden_act"),
+    (dict(num_hidden_layers=0), "num_hidden_layers"),
+    (dict(vocab_size=-3), "vocab_size"),
+    (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+    (dict(pad_token_id=500, vocab_size=100), "pad_token_id"),
+    (dict(hidden_size=64.0), "hidden_size"),
+])
+def test_config_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        BertConfig(**kw)
+
+
+def test_from_json_file_reads_hf_configs_and_rejects_nonsense(tmp_path):
+    hf = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "transformers_version": "4.8.2",
+          "gradient_checkpointing": False, "use_cache": True, "position_embedding_type": "absolute",
+          "vocab_size": 1234, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "intermediate_size": 96, "hidden_act": "gelu_new", "hidden_dropout_prob": 0, "layer_norm_eps": 1e-7}
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(hf))
+    cfg = BertConfig.from_json_file(f)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.hidden_act, cfg.hidden_dropout_prob) == (1234, 48, "gelu_new", 0.0)
+    for bad, key in [({"num_attention_heads": 5}, "hidden_size"), ({"vocab_size": "many"}, "vocab_size"),
+                     ({"model_type": "roberta"}, "model_type"), ({"attention_probs_dropout_prob": 2}, "attention"),
+                     ({"position_embedding_type": "relative_key"}, "position_embedding_type")]:
+        f.write_text(json.dumps({**hf, **bad}))
+        with pytest.raises(ValueError, match=key) as e:
+            BertConfig.from_json_file(f)
+        assert str(f) in str(e.value)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        BertConfig.from_json_file(f)
+
+
+def test_to_hf_dict_is_read_by_transformers():
+    transformers = pytest.importorskip("transformers")
+    cfg = BertConfig.from_preset("mini", vocab_size=777, hidden_act="relu")
+    d = cfg.to_hf_dict(["BertForPreTraining"])
+    hf = transformers.BertConfig(**d)
+    assert d["model_type"] == "bert" and d["architectures"] == ["BertForPreTraining"]
+    assert "pad_vocab_size_multiple" not in d
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id"):
+        assert getattr(hf, k) == getattr(cfg, k), k
+    assert BertConfig.from_dict(d) == cfg
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+def test_shapes_and_output_names():
+    torch.manual_seed(0)
+    ids, tt, mask = random_batch()
+    out = BertModel(tiny())(ids, tt, mask)
+    assert out.last_hidden_state.shape == (4, 16, 64) and out.pooler_output.shape == (4, 64)
+    pt = BertForPreTraining(tiny())(ids, tt, mask)
+    assert pt.prediction_logits.shape == (4, 16, V) and pt.seq_relationship_logits.shape == (4, 2)
+    assert pt.loss is None and pt.mlm_loss is None and pt.nsp_loss is None
+    pos = torch.tensor([[1, 2, 3]] * 4)
+    assert BertForPreTraining(tiny())(ids, tt, mask, masked_positions=pos).prediction_logits.shape == (4, 3, V)
+    assert BertForSequenceClassification(tiny(), num_labels=5)(ids, tt, mask).logits.shape == (4, 5)
+    qa = BertForQuestionAnswering(tiny())(ids, tt, mask)
+    assert qa.start_logits.shape == qa.end_logits.shape == (4, 16)
+
+
+def test_padding_does_not_change_real_tokens():
+    torch.manual_seed(0)
+    model = BertModel(tiny()).eval()
+    ids = torch.randint(1, V, (1, 9))
+    alone = model(ids).last_hidden_state
+    padded_ids = torch.cat([ids, torch.zeros(1, 7, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 9), torch.zeros(1, 7)], 1).long()
+    padded = model(padded_ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(padded[:, :9], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_fully_padded_row_gives_no_nan():
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny())
+    ids, tt, mask = random_batch()
+    mask[2] = 0
+    out = model(ids, tt, mask, labels=ids, next_sentence_label=torch.tensor([0, 1, 0, 1]))
+    assert torch.isfinite(out.prediction_logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_losses_with_no_targets_are_zero_not_nan():
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny())
+    ids, tt, mask = random_batch()
+    pos = torch.zeros(4, 5, dtype=torch.long)
+    labels = torch.full((4, 5), -100)
+    labels[0, 0] = 7
+    out = model(ids, tt, mask, masked_positions=pos, labels=labels, next_sentence_label=torch.full((4,), -100))
+    assert out.nsp_loss.item() == 0.0 and torch.isfinite(out.mlm_loss) and out.mlm_loss > 0
+    assert out.loss.item() == pytest.approx(out.mlm_loss.item())
+    out.loss.backward()
+    # Zero NSP loss still reaches the NSP head (zero gradient, not None): DDP needs every parameter used.
+    assert model.cls.seq_relationship.weight.grad is not None
+    assert model.cls.seq_relationship.weight.grad.abs().sum() == 0
+    out = model(ids, tt, mask, masked_positions=pos, labels=torch.full((4, 5), -100),
+                next_sentence_label=torch.tensor([0, 1, -100, 1]))
+    assert out.mlm_loss.item() == 0.0 and torch.isfinite(out.loss) and out.loss == out.nsp_loss
+
+
+def test_mlm_and_nsp_losses_are_means_over_targets():
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny()).eval()
+    ids, tt, mask = random_batch()
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[2, 5] = 11, 12
+    nsp = torch.tensor([0, 1, -100, 0])
+    out = model(ids, tt, mask, labels=labels, next_sentence_label=nsp)
+    logp = out.prediction_logits.log_softmax(-1)
+    mlm = -(logp[0, 3, 11] + logp[2, 5, 12]) / 2
+    nl = out.seq_relationship_logits.log_softmax(-1)
+    nsp_ref = -(nl[0, 0] + nl[1, 1] + nl[3, 0]) / 3
+    torch.testing.assert_close(out.mlm_loss, mlm)
+    torch.testing.assert_close(out.nsp_loss, nsp_ref)
+    torch.testing.assert_close(out.loss, mlm + nsp_ref)
+
+
+def test_vocabulary_padding_stays_zero_through_training():
+    torch.manual_seed(0)
+    cfg = tiny()
+    assert cfg.padded_vocab_size == 104
+    model = BertForPreTraining(cfg)
+    emb, bias = model.bert.embeddings.word_embeddings.weight, model.cls.predictions.bias
+    assert emb.shape[0] == bias.shape[0] == 104
+    assert emb[V:].abs().sum() == 0 and bias[V:].abs().sum() == 0 and emb[cfg.pad_token_id].abs().sum() == 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ids, tt, mask = random_batch()
+    for _ in range(3):
+        out = model(ids, tt, mask, labels=ids, next_sentence_label=torch.tensor([0, 1, 0, 1]))
+        out.loss.backward()
+        assert emb.grad[V:].abs().sum() == 0 and bias.grad[V:].abs().sum() == 0
+        opt.step()
+        opt.zero_grad()
+    assert emb[V:].abs().sum() == 0 and bias[V:].abs().sum() == 0
+    assert bias[:V].abs().sum() > 0  # the real part did train
+    # tied decoder: one tensor, counted once
+    assert sum(p is emb for p in model.parameters()) == 1
+
+
+def test_bert_initialisation():
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("mini", vocab_size=2000))
+    dense = model.bert.encoder.layer[0].intermediate.dense
+    assert abs(dense.weight.std().item() - 0.02) < 0.002 and dense.bias.abs().sum() == 0
+    ln = model.bert.encoder.layer[0].output.LayerNorm
+    assert (ln.weight == 1).all() and (ln.bias == 0).all()
+    assert (model.cls.predictions.bias == 0).all()
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    model = BertModel(tiny())
+    ids, tt, mask = random_batch()
+    model.eval()
+    assert torch.equal(model(ids, tt, mask).last_hidden_state, model(ids, tt, mask).last_hidden_state)
+    model.train()
+    assert not torch.equal(model(ids, tt, mask).last_hidden_state, model(ids, tt, mask).last_hidden_state)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu", "gelu_pytorch_tanh"])
+def test_activations(act):
+    model = BertModel(tiny(hidden_act=act))
+    assert torch.isfinite(model(random_batch()[0]).last_hidden_state).all()
+
+
+def test_too_long_sequence_is_a_clear_error():
+    model = BertModel(tiny(max_position_embeddings=8))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.ones(1, 9, dtype=torch.long))
+
+
+def test_classification_and_regression_losses():
+    torch.manual_seed(0)
+    ids, tt, mask = random_batch()
+    m = BertForSequenceClassification(tiny(), num_labels=3).eval()
+    out = m(ids, tt, mask, labels=torch.tensor([0, 2, 1, 1]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, torch.tensor([0, 2, 1, 1])))
+    r = BertForSequenceClassification(tiny(), num_labels=1).eval()
+    y = torch.tensor([0.5, 1.0, -2.0, 3.0])
+    out = r(ids, tt, mask, labels=y)
+    torch.testing.assert_close(out.loss, ((out.logits.squeeze(-1) - y) ** 2).mean())
+    with pytest.raises(ValueError, match="num_labels"):
+        BertForSequenceClassification(tiny(), num_labels=0)
+
+
+def test_question_answering_loss_ignores_out_of_range_positions():
+    torch.manual_seed(0)
+    ids, tt, mask = random_batch()
+    m = BertForQuestionAnswering(tiny()).eval()
+    out = m(ids, tt, mask, start_positions=torch.tensor([1, 2, 3, 99]), end_positions=torch.tensor([2, 3, 4, 99]))
+    ce = torch.nn.functional.cross_entropy
+    ref = (ce(out.start_logits[:3], torch.tensor([1, 2, 3])) + ce(out.end_logits[:3], torch.tensor([2, 3, 4]))) / 2
+    torch.testing.assert_close(out.loss, ref)
+    assert math.isfinite(out.loss.item())
