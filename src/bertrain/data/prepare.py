@@ -32,7 +32,7 @@ import numpy as np
 from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_document, doc_hash,
                                   iter_raw_documents, resolve_inputs)
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
-from bertrain.data.tokenizer import load_tokenizer, read_vocab, tokenizer_identity
+from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer, read_vocab, tokenizer_identity
 from bertrain.utils.io import _fsync_dir, atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -123,13 +123,13 @@ _W: dict[str, Any] = {}
 
 def _init_tokenize_worker(vocab_file: str, lower: bool, min_chars: int, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
-    _W.update(tok=load_tokenizer(vocab_file, lower), min_chars=max(1, min_chars), dtype=np.dtype(dtype))
+    _W.update(enc=FastBertEncoder(load_tokenizer(vocab_file, lower), lower), min_chars=max(1, min_chars),
+              dtype=np.dtype(dtype))
 
 
 def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict, int]:
     """Clean, split and tokenize a chunk of raw documents -> (ids, sentence lengths, sentences per doc, skips,
     cleaned text bytes)."""
-    tok = _W["tok"]
     sentences: list[str] = []
     per_doc: list[int] = []
     skipped: dict[str, Counter] = defaultdict(Counter)
@@ -140,12 +140,11 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
             continue
         sentences.extend(sents)
         per_doc.append(len(sents))
-    text_bytes = sum(len(s.encode("utf-8")) for s in sentences) + len(sentences)
     if not sentences:
         return np.zeros(0, _W["dtype"]), np.zeros(0, np.int64), np.zeros(0, np.int64), dict(skipped), 0
-    encs = tok.encode_batch_fast(sentences, add_special_tokens=False)
-    lens = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
-    ids = np.fromiter((i for e in encs for i in e.ids), _W["dtype"], count=int(lens.sum()))
+    text_bytes = len("\n".join(sentences).encode("utf-8")) + 1  # each sentence and its newline
+    ids, lens = _W["enc"].encode_sentences(sentences)  # == HF tokenizers' ids, see FastBertEncoder
+    ids = ids.astype(_W["dtype"])
     doc_of = np.repeat(np.arange(len(per_doc)), per_doc)
     keep = lens > 0  # a sentence of only control/unknown-free whitespace gives no ids
     counts = np.bincount(doc_of[keep], minlength=len(per_doc))

