@@ -354,3 +354,19 @@ def test_predict_command_qa(tmp_path, tiny_model, capsys, monkeypatch):
     items.write_text(json.dumps({"question": "q", "context": "c"}) + "\n{oops\n")
     assert main(["predict", "--model", str(model), "--input", str(items)]) == 2
     assert f"{items}:2: malformed JSON" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- shipped configs
+
+@pytest.mark.parametrize("name, cls_name", [("finetune-squad.yaml", "SquadFinetuneConfig"),
+                                            ("finetune-glue.yaml", "GlueFinetuneConfig")])
+def test_shipped_finetune_configs_load(name, cls_name):
+    from bertrain import config as C
+    from bertrain.tasks import finetune as F
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    required = {"init": "m", "output_dir": "o"}
+    required.update({"data.train_file": "t.json", "data.dev_file": "d.json"} if "squad" in name else
+                    {"data.task": "mrpc", "data.data_dir": "d"})
+    cfg = C.load_config(getattr(F, cls_name), path, required)
+    assert cfg.schedule.warmup == 0.1 and cfg.optim.name == "adamw" and cfg.optim.weight_decay == 0.01

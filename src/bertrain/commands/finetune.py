@@ -63,6 +63,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(GlueFinetuneConfig, args.config, _overrides(args))
         results = run_glue(cfg)
-    if results and results.get("is_main", True):
-        print(json.dumps({k: v for k, v in results.items() if k != "is_main"}, indent=2))
+    if results:  # only rank 0 returns results
+        print(json.dumps(results, indent=2))
     return 0

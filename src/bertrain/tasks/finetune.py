@@ -404,6 +404,13 @@ def _save(cfg, step, model, optimizer, scheduler, precision, dist, global_batch,
     barrier()
 
 
+def _eval_precision(cfg: FinetuneBase, dist):
+    """The run's autocast for evaluation too (bf16/fp16 inference); fp32 stays exact."""
+    from bertrain.train.precision import Precision
+
+    return Precision(cfg.precision, dist.device)
+
+
 def seed_everything(seed: int, rank: int = 0) -> None:
     """Same seed on every rank for the model (DDP also broadcasts rank 0's weights), per-rank for dropout."""
     import random
@@ -494,7 +501,8 @@ def run_squad(cfg: SquadFinetuneConfig) -> dict[str, Any]:
             model.to(dist.device)
             t0 = time.perf_counter()
             start, end = distributed_forward(model, feats, lambda o: (o.start_logits, o.end_logits), dist,
-                                             cfg.train.eval_batch_size, trim=cfg.train.trim_padding)
+                                             cfg.train.eval_batch_size, _eval_precision(cfg, dist),
+                                             trim=cfg.train.trim_padding)
             eval_s = time.perf_counter() - t0
             if dist.is_main:
                 pcfg = SquadPostprocessConfig(d.n_best_size, d.max_answer_length, d.null_score_diff_threshold)
@@ -522,7 +530,7 @@ def run_squad(cfg: SquadFinetuneConfig) -> dict[str, Any]:
                 "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
                 "doc_stride": d.doc_stride, "max_query_length": d.max_query_length})
         barrier()
-    return results
+        return results if dist.is_main else {}
 
 
 # ----------------------------------------------------------------------------------------------- GLUE
@@ -565,7 +573,7 @@ def run_glue(cfg: GlueFinetuneConfig) -> dict[str, Any]:
         def predict(examples):
             feats = build_features(examples, task, tok, d.max_seq_length)
             (logits,) = distributed_forward(model, feats, lambda o: (o.logits,), dist, cfg.train.eval_batch_size,
-                                            trim=cfg.train.trim_padding)
+                                            _eval_precision(cfg, dist), trim=cfg.train.trim_padding)
             preds = logits[:, 0] if task.is_regression else logits.argmax(axis=1)
             return feats, preds
 
@@ -597,4 +605,4 @@ def run_glue(cfg: GlueFinetuneConfig) -> dict[str, Any]:
                     "kind": "classification", "task": task.name,
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length})
         barrier()
-    return results
+        return results if dist.is_main else {}
