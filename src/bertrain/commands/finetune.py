@@ -31,10 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="ft_task", metavar="TASK", required=True)
     for name, cls, flags in (("squad", SquadFinetuneConfig, _SQUAD_FLAGS), ("glue", GlueFinetuneConfig, _GLUE_FLAGS)):
-        p = sub.add_parser(name, help=f"fine-tune on {name.upper()}", description=cls.__doc__ or None)
+        p = sub.add_parser(name, help=f"fine-tune on {name.upper()}",
+                           description=(cls.__doc__ or "").split("\n")[0] or None)
         p.add_argument("--config", default=None, help="YAML/JSON config file (keys as below)")
         for flag, (key, help_) in {**flags, **_COMMON_FLAGS}.items():
-            p.add_argument(flag, dest=f"short:{key}", default=None, help=f"{help_} (= --{key})")
+            p.add_argument(flag, dest=f"short:{key}", default=None, metavar=flag.lstrip("-").upper().replace("-", "_"),
+                           help=f"{help_} (= --{key})")
         if name == "squad":
             p.add_argument("--version-2-with-negative", dest="short:data.version_2_with_negative",
                            action="store_const", const="true", default=None,

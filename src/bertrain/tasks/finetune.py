@@ -134,6 +134,8 @@ class SquadDataConfig:
 
 @dataclass
 class SquadFinetuneConfig(FinetuneBase):
+    """Fine-tune on SQuAD v1.1/v2.0; writes predictions.json, nbest_predictions.json, null_odds.json (v2.0), eval_results.json."""
+
     data: SquadDataConfig = field(default_factory=SquadDataConfig)
     """SQuAD files and feature settings."""
 
@@ -161,6 +163,8 @@ class GlueDataConfig:
 
 @dataclass
 class GlueFinetuneConfig(FinetuneBase):
+    """Fine-tune on a GLUE task; writes eval_results.json and the GLUE-server test predictions ({TASK}.tsv)."""
+
     data: GlueDataConfig = field(default_factory=GlueDataConfig)
     """GLUE task and data."""
 
