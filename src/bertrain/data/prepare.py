@@ -154,16 +154,28 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
     return ids, lens[keep], counts[counts > 0], {k: dict(v) for k, v in skipped.items()}, text_bytes
 
 
-def _init_static_worker(data_dir: str, sample_cfg: dict) -> None:
+def _init_static_worker(data_dir: str, sample_cfg: dict, out_path: str) -> None:
     from bertrain.data.pretraining import InstanceBuilder, SampleConfig
 
     _W["builder"] = InstanceBuilder(TokenStore(data_dir, verify=False, require_complete=False),
                                     SampleConfig(**sample_cfg))
+    _W["out_fd"] = os.open(out_path, os.O_WRONLY)
 
 
-def _static_rows(task: tuple[int, int, int, str]) -> np.ndarray:
+def _static_rows(task: tuple[int, int, int, str]) -> int:
+    """Build rows [lo, hi) of epoch `epoch` and write them in place into the pre-sized instances file.
+
+    Workers write their own rows (os.pwrite at the row's fixed offset) instead of sending them back: piping
+    ~100 MB of rows per 9 MB of text through the main process cost it ~0.3 CPU s (a quarter of the stage)."""
     epoch, lo, hi, dtype = task
-    return _W["builder"].build(epoch, np.arange(lo, hi)).astype(dtype)
+    builder = _W["builder"]
+    rows = builder.build(epoch, np.arange(lo, hi)).astype(dtype)
+    offset = (epoch * builder.n_blocks + lo) * rows.shape[1] * rows.itemsize
+    data = memoryview(rows).cast("B")
+    while len(data):
+        n = os.pwrite(_W["out_fd"], data, offset)
+        data, offset = data[n:], offset + n
+    return len(rows)
 
 
 def _pool(workers: int, initializer, initargs):
@@ -321,19 +333,21 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".instances.bin.tmp"
     n = 0
-    pool = _pool(workers, _init_static_worker, (str(data_dir), dataclasses.asdict(sample_cfg)))
+    with open(tmp, "wb") as f:
+        f.truncate(dupe_factor * n_blocks * builder.row_width * dtype.itemsize)
+    pool = _pool(workers, _init_static_worker, (str(data_dir), dataclasses.asdict(sample_cfg), str(tmp)))
     try:
-        results = pool.imap(_static_rows, tasks) if pool else map(_static_rows, tasks)
-        with open(tmp, "wb") as f:
-            for rows in results:
-                f.write(rows.tobytes())
-                n += len(rows)
-            f.flush()
+        results = pool.imap_unordered(_static_rows, tasks) if pool else map(_static_rows, tasks)
+        for rows in results:
+            n += rows
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
+        else:
+            os.close(_W.pop("out_fd"))
     os.replace(tmp, out / "instances.bin")
     write_static_meta(out, sample_cfg, dupe_factor, n, builder.row_width, dtype, time.perf_counter() - t0)
     _fsync_dir(out)
