@@ -422,7 +422,9 @@ def doc_hash(text: str) -> bytes:
 
 # C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
-_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
+# Runs of 2+ spaces, or one space that is not " ": a plain single space matches nothing, so the usual text costs
+# no substitutions (matching every single space was 80% of `normalize_text`). Same output as `[...]+` -> " ".
+_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]{2,}|[\t\u00a0\u2000-\u200a\u202f\u205f\u3000]")
 
 
 def normalize_text(text: str) -> str:
