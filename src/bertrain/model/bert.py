@@ -10,6 +10,13 @@ The vocabulary is padded internally to a multiple of `pad_vocab_size_multiple` (
 decoder matmuls get tensor-core friendly shapes. The extra embedding rows and decoder-bias entries start at zero and
 stay zero (no input id reaches them and the logits are sliced back to `vocab_size` before any loss), so exporting
 by slicing and importing by zero-padding is lossless.
+
+Fast paths (each tested equal to the plain path in tests/test_fastpath*.py, measured in BENCHMARKS.md):
+* Unpadding (`BertModel.forward(..., unpad=True)`): embeddings, projections, FFN and LayerNorms run on the real
+  tokens only, a flat (N, H) tensor; the fused QKV output is re-padded to (B, T', 3H) just for attention, T' the
+  longest sequence rounded up to a multiple of 8. The heads whose outputs do not depend on padding use it by default.
+* `gradient_checkpointing`: recompute each layer in the backward pass instead of keeping its activations.
+* `compile_layers()`: torch.compile every encoder layer with dynamic shapes (one graph for all lengths).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 # ----------------------------------------------------------------------------------------------- config
@@ -215,12 +223,13 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        T = input_ids.size(1)
-        positions = torch.arange(T, device=input_ids.device)  # (T,)
-        x = (self.word_embeddings(input_ids)                   # (B, T, H)
-             + self.token_type_embeddings(token_type_ids)      # (B, T, H)
-             + self.position_embeddings(positions))            # (T, H), broadcast over B
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.size(-1), device=input_ids.device)  # (T,), broadcast over B
+        x = (self.word_embeddings(input_ids)                   # (B, T, H), or (N, H) unpadded
+             + self.token_type_embeddings(token_type_ids)
+             + self.position_embeddings(position_ids))
         return self.dropout(self.LayerNorm(x))
 
 
@@ -233,14 +242,20 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)  # rows: [query; key; value]
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        B, T, H = x.shape
-        q, k, v = self.qkv(x).split(H, dim=-1)                             # 3 x (B, T, H)
-        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
+                indices: torch.Tensor | None = None) -> torch.Tensor:
+        H = x.size(-1)
+        qkv = self.qkv(x)                                                  # (B, T, 3H), or (N, 3H) unpadded
+        if indices is not None:  # unpadded: scatter the real tokens into a zero (B, T, 3H) grid for attention
+            B, T = mask.size(0), mask.size(-1)
+            qkv = scatter_rows(qkv, indices, B * T).view(B, T, 3 * H)
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
         # mask: (B, 1, 1, T) bool, True = attend; scale defaults to 1/sqrt(hs) as in BERT
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout_p if self.training else 0.0)  # (B, nh, T, hs)
-        return y.transpose(1, 2).reshape(B, T, H)                          # (B, T, H)
+        y = y.transpose(1, 2).reshape(B * T, H) if indices is not None else y.transpose(1, 2).reshape(B, T, H)
+        return gather_rows(y, indices) if indices is not None else y      # (N, H) or (B, T, H)
 
 
 class BertAddNorm(nn.Module):
@@ -262,8 +277,9 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertAddNorm(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
+                indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.self(x, mask, indices), x)
 
 
 class BertIntermediate(nn.Module):
@@ -285,19 +301,27 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertAddNorm(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = self.attention(x, mask)                                        # (B, T, H)
-        return self.output(self.intermediate(x), x)                        # (B, T, H)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
+                indices: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, H), or (N, H) real tokens with `indices` (N,) their places in the flattened (B, T) mask grid."""
+        x = self.attention(x, mask, indices)                               # (B, T, H) or (N, H)
+        return self.output(self.intermediate(x), x)                        # (B, T, H) or (N, H)
 
 
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
+                indices: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layer:
-            x = layer(x, mask)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only each layer's input; recompute the rest in backward (dropout replays its RNG state)
+                x = torch.utils.checkpoint.checkpoint(layer, x, mask, indices, use_reentrant=False)
+            else:
+                x = layer(x, mask, indices)
         return x
 
 
@@ -379,6 +403,58 @@ def _attention_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask[:, None, None, :]
 
 
+class _Gather(torch.autograd.Function):
+    """x[indices] along dim 0, indices unique: the backward scatters with index_put (a copy), not index_add
+    (an accumulation, several times slower on CPU). As flash-attn's bert_padding.IndexFirstAxis."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.rows = x.size(0)
+        return x.index_select(0, indices)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (indices,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_put_((indices,), grad), None
+
+
+class _Scatter(torch.autograd.Function):
+    """A zero (rows, ...) tensor with x written at `indices` (unique) along dim 0; backward gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        return x.new_zeros(rows, *x.shape[1:]).index_put_((indices,), x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (indices,) = ctx.saved_tensors
+        return grad.index_select(0, indices), None, None
+
+
+def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(R, ...) -> (N, ...): the rows `indices` (unique), e.g. the real tokens of a flattened padded batch."""
+    return _Gather.apply(x, indices)
+
+
+def scatter_rows(x: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """(N, ...) -> (rows, ...): zeros with x's rows at `indices` (unique); the inverse of gather_rows."""
+    return _Scatter.apply(x, indices, rows)
+
+
+def unpad_indices(attention_mask: torch.Tensor, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """For unpadding: the flat indices (N,) of the real tokens in the (B, T') grid, and that grid's (B, T') mask,
+    T' = the last column holding a real token, rounded up to `multiple` (bounded shapes for kernels and compile).
+    One host sync (the number of real tokens)."""
+    mask = attention_mask.bool()
+    T = mask.size(1)
+    last = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
+    T = min(T, -(-last // multiple) * multiple)
+    mask = mask[:, :T]
+    return mask.reshape(-1).nonzero().squeeze(1), mask
+
+
 class BertModel(BertPreTrainedModel):
     """The encoder: embeddings, `num_hidden_layers` post-LN layers and (optionally) the pooler."""
 
@@ -387,18 +463,55 @@ class BertModel(BertPreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        # Used by the heads whose outputs do not depend on padding positions (pretraining with masked_positions,
+        # classification): run unpadded. Set False to force the padded path everywhere.
+        self.unpad = True
         self.init_weights()
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Recompute every layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+        return self.encoder.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value: bool) -> None:
+        self.encoder.gradient_checkpointing = bool(value)
+
+    def compile_layers(self, **kwargs: Any) -> None:
+        """torch.compile every encoder layer in place. Shapes are dynamic (the token count N and the padded length
+        T' are symbolic), so one graph serves every batch; T' is a multiple of 8, which bounds specialisations."""
+        kwargs.setdefault("dynamic", True)
+        for layer in self.encoder.layer:
+            layer.compile(**kwargs)
+
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> BertModelOutput:
+                attention_mask: torch.Tensor | None = None, unpad: bool = False) -> BertModelOutput:
+        """unpad=True: compute on the real tokens only (see the module docstring); the outputs at real tokens are
+        those of the padded path, `last_hidden_state` is 0 at padding positions (the padded path gives values there
+        that depend on the padding and that nothing should use)."""
         if input_ids.size(1) > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {input_ids.size(1)} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        x = self.embeddings(input_ids, token_type_ids)                  # (B, T, H)
-        h = self.encoder(x, _attention_mask(attention_mask))             # (B, T, H)
+        if unpad and attention_mask is not None and not bool(attention_mask.bool().all()):
+            h = self._forward_unpadded(input_ids, token_type_ids, attention_mask)
+        else:
+            x = self.embeddings(input_ids, token_type_ids)              # (B, T, H)
+            h = self.encoder(x, _attention_mask(attention_mask))         # (B, T, H)
         return BertModelOutput(last_hidden_state=h, pooler_output=self.pooler(h) if self.pooler else None)
+
+    def _forward_unpadded(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                          attention_mask: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        indices, mask = unpad_indices(attention_mask)                    # (N,), (B, T')
+        Tp = mask.size(1)
+        positions = torch.arange(Tp, device=input_ids.device).repeat(B)  # (B*T',)
+        flat = lambda t: t[:, :Tp].reshape(-1).index_select(0, indices)  # (B, T) -> (N,)
+        x = self.embeddings(flat(input_ids), flat(token_type_ids), positions.index_select(0, indices))  # (N, H)
+        x = self.encoder(x, _attention_mask(mask), indices)              # (N, H)
+        h = scatter_rows(x, indices, B * Tp).view(B, Tp, -1)            # (B, T', H), 0 on padding
+        return F.pad(h, (0, 0, 0, T - Tp)) if Tp < T else h             # (B, T, H)
 
 
 # ----------------------------------------------------------------------------------------------- heads
@@ -459,7 +572,9 @@ class BertForPreTraining(BertPreTrainedModel):
                 next_sentence_label: torch.Tensor | None = None) -> BertForPreTrainingOutput:
         """masked_positions (B, P): run the (vocabulary-wide, expensive) MLM head only there; `labels` is then
         (B, P) aligned with it, else (B, T). -100 = ignore. next_sentence_label (B,): 0 IsNext, 1 random, -100."""
-        out = self.bert(input_ids, token_type_ids, attention_mask)
+        # With masked_positions nothing reads the padding positions' outputs: run unpadded.
+        out = self.bert(input_ids, token_type_ids, attention_mask,
+                        unpad=self.bert.unpad and masked_positions is not None)
         h = out.last_hidden_state                                          # (B, T, H)
         if masked_positions is not None:
             index = masked_positions.unsqueeze(-1).expand(-1, -1, h.size(-1))  # (B, P, H)
@@ -493,7 +608,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
-        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output  # (B, H)
+        pooled = self.bert(input_ids, token_type_ids, attention_mask, unpad=self.bert.unpad).pooler_output  # (B, H)
         logits = self.classifier(self.dropout(pooled))                    # (B, num_labels)
         loss = None
         if labels is not None:
@@ -511,13 +626,21 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         super().__init__(config)
         self.bert = BertModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        # Off by default: HF's logits at padding positions come from the padding's hidden states and enter the
+        # loss's softmax. True (inference, benchmarks): run unpadded and give padding positions a logit of -10000,
+        # which leaves every prediction unchanged (answers never start or end on padding).
+        self.unpad = False
         self.init_weights(self.qa_outputs)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
                 end_positions: torch.Tensor | None = None) -> QuestionAnsweringOutput:
-        h = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state  # (B, T, H)
-        start_logits, end_logits = self.qa_outputs(h).unbind(dim=-1)       # 2 x (B, T)
+        unpad = self.unpad and attention_mask is not None
+        h = self.bert(input_ids, token_type_ids, attention_mask, unpad=unpad).last_hidden_state  # (B, T, H)
+        logits = self.qa_outputs(h)                                        # (B, T, 2)
+        if unpad:
+            logits = logits.masked_fill(~attention_mask.bool()[..., None], -10000.0)
+        start_logits, end_logits = logits.unbind(dim=-1)                   # 2 x (B, T)
         loss = None
         if start_positions is not None and end_positions is not None:
             # As HF: positions outside the sequence are clamped to T and ignored; loss = (CE_start + CE_end) / 2.
