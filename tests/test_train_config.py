@@ -22,7 +22,7 @@ RECIPES = {
 
 
 def test_every_shipped_config_loads() -> None:
-    files = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    files = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("finetune"))  # theirs: tasks tests
     assert set(RECIPES) | {"quickstart.yaml"} <= set(files)
     for name in files:
         load_config(PretrainConfig, CONFIGS / name)  # strict: an unknown key or wrong type raises

@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -102,7 +103,8 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> RunResult:
             log.info("pretraining %s: %d steps, global batch %d = micro %d x accumulation %d x world %d, lr %g, "
                      "%s, %s", cfg.model.preset, total_steps, plan.global_batch_size, plan.micro_batch_size,
                      plan.accumulation, plan.world_size, lr, cfg.optim.name, cfg.precision.mode)
-        with StopSignal() as stop, MetricsLogger(out, dist.is_main, resume_step=state.step if start else None) as ml:
+        with StopSignal() as stop, MetricsLogger(out, dist.is_main, resume_step=state.step if start else None) as ml, \
+                log_through_bar(show_bar(dist)):
             stopped, last = run_steps(ddp_model, data, optimizer, scheduler, precision, state, total_steps, plan,
                                       cfg, dist, stop, ml)
             if stopped or state.step % max(1, cfg.checkpoint.save_interval) != 0 or cfg.checkpoint.save_interval == 0:
@@ -321,10 +323,22 @@ class Meter:
 
 
 def progress_bar(total: int, initial: int, dist: DistInfo) -> Any:
-    """tqdm on rank 0 when the output is a terminal; a do-nothing object otherwise."""
+    """tqdm on rank 0 when the output is a terminal (disabled, it is a do-nothing object)."""
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, desc="pretrain", unit="step", dynamic_ncols=True,
-                disable=not (dist.is_main and sys.stderr.isatty()))
+                disable=not show_bar(dist))
+
+
+def show_bar(dist: DistInfo) -> bool:
+    return dist.is_main and sys.stderr.isatty()
+
+
+def log_through_bar(enabled: bool) -> contextlib.AbstractContextManager:
+    """While a bar is shown, route log lines through tqdm.write so they do not tear the bar."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    return logging_redirect_tqdm()
 
 
 # ----------------------------------------------------------------------------------------------- set-up pieces
@@ -357,11 +371,12 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
     m = cfg.model
     overrides = m.architecture_overrides()
     if m.init:
-        shape = set(overrides) - {"hidden_dropout_prob", "attention_probs_dropout_prob"}
-        if shape:
-            raise ValueError(f"config key 'model.{sorted(shape)[0]}' cannot change the shape of the model.init "
-                             "weights; only model.dropout may be overridden")
-        model = BertForPreTraining.from_pretrained(m.init, **overrides)
+        dropout = {k: v for k, v in overrides.items() if k.endswith("dropout_prob")}
+        model = BertForPreTraining.from_pretrained(m.init, **dropout)
+        for k, v in overrides.items():
+            if k not in dropout and getattr(model.config, k) != v:
+                raise ValueError(f"config key 'model.{k}' = {v} disagrees with the model.init weights ({m.init} has "
+                                 f"{getattr(model.config, k)}); an initialised model keeps its shape")
         init_vocab = model.tokenizer_files.get("vocab.txt")
         if init_vocab and tokenizer_files and tokenizer_files.get("vocab.txt") not in (None, init_vocab):
             raise ValueError(f"config key 'model.init': the vocab.txt of {m.init} differs from the vocabulary the "
