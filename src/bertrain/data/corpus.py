@@ -568,11 +568,30 @@ def _remove_templates(text: str) -> str:
     return "".join(out)
 
 
+# A plain internal link: no nested brackets, braces, tags or newlines in it (those are left to mwparserfromhell).
+_PRE_LINK = re.compile(r"\[\[([^\[\]{}<>|\n]+)(?:\|([^\[\]{}<>\n]*))?\]\]")
+
+
+def _link_text(m: re.Match) -> str:
+    """What `_render_node` gives for a plain wikilink, done on the source text (see `strip_wiki_markup`)."""
+    title, text = m.group(1).strip(), m.group(2)
+    low = title.lower()
+    if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
+        return ""
+    if text is not None:
+        return text
+    return title.lstrip(":").split("#")[0] if not title.startswith("#") else title[1:]
+
+
 def strip_wiki_markup(wikitext: str) -> str:
     """MediaWiki markup -> plain text, one paragraph per line (headings and tail sections dropped)."""
     import mwparserfromhell
 
     wikitext = _remove_templates(_PRE_REF.sub("", _PRE_COMMENT.sub("", wikitext)))
+    # Plain [[title|text]] links are most of the remaining nodes, and mwparserfromhell's Python builder spends
+    # ~3 us per node: replacing them by their text with one regex first halves what is left of the parse (same
+    # rules as `_render_node`; the text stays wikitext, so entities and leftovers are handled as before).
+    wikitext = _PRE_LINK.sub(_link_text, wikitext)
     code = mwparserfromhell.parse(wikitext, skip_style_tags=True)
     parts: list[str] = []
     skip_level = 0  # > 0 while inside a dropped section (References, See also, ...) of that heading level
