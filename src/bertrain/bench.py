@@ -57,7 +57,8 @@ class BenchOptions:
     seed: int = 1234
     threads: int | None = None          # torch.set_num_threads; None: leave torch's default
     min_len_frac: float = 0.3           # lengths ~ U[ceil(min_len_frac*T), T]
-    optimizer: str = "lamb"             # pretraining optimizer: lamb (ours, multi-tensor) | adamw; finetune: adamw
+    optimizer: str = "adamw"            # pretraining optimizer for both sides: adamw (fused; HF Trainer's default
+                                        # adamw_torch_fused) | lamb (our multi-tensor LAMB); finetune: adamw
     # our fast paths (each can be switched off to measure what it gives)
     unpad: bool = True
     masked_head: bool = True
@@ -323,6 +324,8 @@ def configure_ours(model: nn.Module, opts: BenchOptions) -> dict[str, Any]:
     active: dict[str, Any] = {}
     if hasattr(bert, "unpad"):
         bert.unpad = opts.unpad
+        if hasattr(model, "qa_outputs"):
+            model.unpad = opts.unpad  # QA: opt-in (padding logits -10000 instead of HF's values)
         active["unpad"] = opts.unpad
     else:
         active["unpad"] = "not available in this model version"
@@ -347,8 +350,9 @@ def compile_ours(model: nn.Module) -> str:
 
 
 def build_optimizer(model: nn.Module, name: str, device: torch.device, foreach: bool) -> torch.optim.Optimizer:
-    """The optimizer both sides use: our multi-tensor LAMB (or a per-tensor loop of the same maths), or torch AdamW
-    (fused on CUDA, foreach on CPU; for-loop when foreach=False). No decay on biases/LayerNorm."""
+    """The optimizer both sides use: torch AdamW fused (HF Trainer's default `adamw_torch_fused`; for-loop when
+    foreach=False) or our multi-tensor LAMB (a per-tensor loop of the same maths when foreach=False).
+    No decay on biases/LayerNorm."""
     from bertrain.train.optim import Lamb, param_groups
 
     groups = param_groups(model, 0.01)
@@ -356,9 +360,7 @@ def build_optimizer(model: nn.Module, name: str, device: torch.device, foreach: 
         return Lamb(groups, lr=1e-4) if foreach else ForLoopLamb(groups, lr=1e-4)
     if not foreach:
         return torch.optim.AdamW(groups, lr=1e-5, foreach=False)
-    if device.type == "cuda":
-        return torch.optim.AdamW(groups, lr=1e-5, fused=True)
-    return torch.optim.AdamW(groups, lr=1e-5, foreach=True)
+    return torch.optim.AdamW(groups, lr=1e-5, fused=True)  # one kernel per tensor, on CUDA and on CPU
 
 
 class ForLoopLamb(torch.optim.Optimizer):

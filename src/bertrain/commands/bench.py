@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the batch")
     parser.add_argument("--min-len-frac", type=float, default=0.3,
                         help="sequence lengths are uniform in [ceil(FRAC*T), T] (default 0.3)")
-    parser.add_argument("--optimizer", default="lamb", choices=["lamb", "adamw"],
-                        help="pretraining optimizer for both sides (default lamb); fine-tuning uses adamw")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb"],
+                        help="pretraining optimizer, the same for both sides: adamw (fused, HF Trainer's default) "
+                             "or lamb (our multi-tensor LAMB); fine-tuning uses adamw")
     parser.add_argument("--no-unpad", dest="unpad", action="store_false",
                         help="ours: run the encoder on padded (B, T) tensors")
     parser.add_argument("--full-mlm-head", dest="masked_head", action="store_false",
