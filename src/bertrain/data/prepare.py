@@ -2,12 +2,13 @@
 
 Stage 1 (tokenize): the main process reads raw documents (decompression, XML parsing, optional de-duplication)
 and cuts them into ~1 MB chunks; a pool of worker processes cleans, sentence-splits and tokenizes each chunk
-(HF `tokenizers`, batched); the main process appends results, in input order, to the current shard and closes it
+(`FastBertEncoder`: HF `tokenizers`' exact ids, cached per word); the main process appends results, in input order, to the current shard and closes it
 atomically when it reaches `shard_tokens`. Memory is bounded by the shard size and the pool's queue, not by the
 corpus.
 
 Stage 2 (`masking="static"`): `dupe_factor` x blocks instance rows, built in parallel by the vectorised
-`InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1) and written to one fixed-width file.
+`InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1); each worker writes its rows in place into
+one pre-sized fixed-width file.
 
 Everything is built in `OUTPUT.partial/`, renamed to `OUTPUT` only when complete (with `stats.json` written last).
 `progress.json` records the finished shards; a re-run of the same command after a kill skips the chunks already
