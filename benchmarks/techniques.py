@@ -61,7 +61,9 @@ def training_variants(args: argparse.Namespace) -> dict:
     time_interleaved(sides, args.steps, args.warmup, device)
     base = statistics.median(sides[0].times)
     rows = {s.name: {"step_ms": statistics.median(s.times) * 1e3, "vs_all_on": statistics.median(s.times) / base,
-                     "peak_mem_mb": s.peak_bytes / 2 ** 20, "all_ms": [t * 1e3 for t in s.times]} for s in sides}
+                     "peak_mem_mb": s.peak_bytes / 2 ** 20, "all_ms": [t * 1e3 for t in s.times],
+                     "cpu_ms": statistics.median(s.cpu_times) * 1e3,
+                     "cpu_vs_all_on": statistics.median(s.cpu_times) / statistics.median(sides[0].cpu_times)} for s in sides}
     return {"model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device,
             "precision": args.precision, "optimizer": args.optimizer, "threads": torch.get_num_threads(),
             "real_tokens": int(b["attention_mask"].sum()), "rows": rows}

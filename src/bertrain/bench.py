@@ -246,6 +246,7 @@ class Side:
     name: str
     step: Callable[[], None]
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)  # process CPU seconds (all threads) per timed step
     peak_bytes: int = -1
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -260,10 +261,11 @@ def time_interleaved(sides: list[Side], steps: int, warmup: int, device: torch.d
     for i in range(steps):
         for s in (sides if i % 2 == 0 else sides[::-1]):
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             s.step()
             _sync(device)
             s.times.append(time.perf_counter() - t0)
+            s.cpu_times.append(time.process_time() - c0)
     if measure_memory:
         for s in sides:
             s.peak_bytes = peak_step_memory(s.step, device)
@@ -461,6 +463,8 @@ def _summarise(side: Side, batch_size: int, real_tokens: int, flops: float, peak
     return {
         "step_ms": round(t * 1e3, 3),
         "step_ms_all": [round(x * 1e3, 3) for x in side.times],
+        # CPU seconds the process used per step (all threads): robust to being descheduled on a shared machine
+        "step_cpu_ms": round(statistics.median(side.cpu_times) * 1e3, 3),
         "seq_per_s": batch_size / t,
         "tokens_per_s": real_tokens / t,
         "tflops": flops / t / 1e12,
@@ -533,6 +537,7 @@ def bench_mode(mode: str, opts: BenchOptions, peak: float) -> dict[str, Any]:
         out[s.name] = _summarise(s, B, real_tokens, flops, peak)
     if hf is not None:
         out["speedup"] = out["hf"]["step_ms"] / out["bertrain"]["step_ms"]
+        out["speedup_cpu_time"] = out["hf"]["step_cpu_ms"] / out["bertrain"]["step_cpu_ms"]
     return out
 
 
@@ -571,6 +576,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if "hf" in first:
         result["hf.seq_per_s"] = first["hf"]["seq_per_s"]
         result["speedup"] = first["speedup"]
+        result["speedup_cpu_time"] = first["speedup_cpu_time"]
     # the peak measured again at the end: report the better of the two (the machine is shared)
     result["matmul_peak_tflops"] = max(peak, matmul_peak(device, dtype)) / 1e12
     return result
