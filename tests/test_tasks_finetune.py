@@ -370,3 +370,24 @@ def test_shipped_finetune_configs_load(name, cls_name):
                     {"data.task": "mrpc", "data.data_dir": "d"})
     cfg = C.load_config(getattr(F, cls_name), path, required)
     assert cfg.schedule.warmup == 0.1 and cfg.optim.name == "adamw" and cfg.optim.weight_decay == 0.01
+
+
+def test_squad_labels_and_postprocessing_agree_tiny_overfit(tmp_path, tiny_model, capsys):
+    """Train and evaluate on the same hand-made v1.1 questions: if the start/end labels, the windows and the
+    offset mapping of the predictions agree, the tiny model fits them exactly (an off-by-one anywhere -> EM 0)."""
+    data = _v2_fixture(tmp_path / "v2.json", 6)
+    v1 = json.loads(data.read_text())
+    for p in v1["data"][0]["paragraphs"]:
+        p["qas"] = [qa for qa in p["qas"] if not qa["is_impossible"]]
+        for qa in p["qas"]:
+            qa.pop("is_impossible")
+    v1["version"] = "1.1"
+    data.write_text(json.dumps(v1))
+    out = tmp_path / "run"
+    assert main(["finetune", "squad", "--train", str(data), "--dev", str(data), "--init", str(tiny_model),
+                 "--output", str(out), "--data.max_seq_length", "48", "--data.max_query_length", "16",
+                 "--data.doc_stride", "8", "--data.cache_dir", "", "--train.max_steps", "60",
+                 "--schedule.warmup", "0.0", *TINY]) == 0
+    capsys.readouterr()
+    res = json.loads((out / "eval_results.json").read_text())
+    assert res["exact_match"] == 100.0 and res["f1"] == 100.0
