@@ -143,7 +143,9 @@ class DistributedConfig:
     timeout_s: int = 1800
     """Collective timeout in seconds."""
     bucket_cap_mb: int = 25
-    """DDP gradient bucket size in MB."""
+    """DDP gradient bucket size in MB (bigger buckets: fewer, larger allreduces; smaller: earlier overlap)."""
+    grad_compression: Literal["none", "fp16", "bf16"] = "none"
+    """Allreduce gradients in 16 bits (DDP comm hook): halves the bytes on the wire; see BENCHMARKS.md scaling."""
 
     def __post_init__(self) -> None:
         _check_all([
@@ -188,6 +190,10 @@ class ModelSection:
     """Override the preset's number of attention heads."""
     intermediate_size: Optional[int] = None
     """Override the preset's feed-forward size."""
+    gradient_checkpointing: bool = False
+    """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
 
     def architecture_overrides(self) -> dict:
         """The BertConfig fields this section overrides."""

@@ -161,9 +161,18 @@ def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None =
     if dist.world_size == 1:
         return model
     cfg = cfg or DistributedConfig()
-    return nn.parallel.DistributedDataParallel(
+    ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True, broadcast_buffers=False)
+    if cfg.grad_compression == "bf16" and dist.device.type != "cuda":
+        raise ValueError("config key 'distributed.grad_compression': bf16 allreduce needs NCCL on CUDA "
+                         "(torch's hook refuses gloo); use fp16 on CPU, or none")
+    if cfg.grad_compression != "none":
+        # torch's own hooks: cast each bucket to 16 bits, allreduce, cast back (divided by world size as DDP does).
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hook = default_hooks.bf16_compress_hook if cfg.grad_compression == "bf16" else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(state=None, hook=hook)
+    return ddp
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -85,6 +85,9 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> RunResult:
         data = build_data(cfg, dist, plan)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = build_model(cfg, data.vocab_size, data.tokenizer_files).to(dist.device)
+        model.bert.gradient_checkpointing = cfg.model.gradient_checkpointing
+        if cfg.model.compile:
+            model.bert.compile_layers()
         total_steps = resolve_total_steps(cfg, data.loader, plan)
         lr = scaled_lr(cfg, plan)
         optimizer = build_optimizer(model, cfg.optim, lr)
