@@ -155,12 +155,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float | None = None)
         return Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.min_trust_ratio,
                     max_trust_ratio=cfg.max_trust_ratio, nvlamb=cfg.name == "nvlamb")
-    # torch's fused AdamW kernel (one launch for all tensors) exists for CUDA; foreach (multi-tensor) elsewhere.
-    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    # torch's fused AdamW kernel (CUDA and CPU): on CPU it measured 65 ms per BERT-base step vs 366 ms foreach
+    # (BENCHMARKS.md, "Techniques"); foreach for devices without a fused kernel.
+    fused_ok = all(p.device.type in ("cuda", "cpu") for g in groups for p in g["params"])
     if cfg.name == "adamw":
         if cfg.bias_correction:
             return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                     **({"fused": True} if on_cuda else {"foreach": True}))
+                                     **({"fused": True} if fused_ok else {"foreach": True}))
         return BertAdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "radam":
         return torch.optim.RAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
