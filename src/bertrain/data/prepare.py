@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -179,6 +180,37 @@ def _static_rows(task: tuple[int, int, int, str]) -> int:
     return len(rows)
 
 
+def _tune_worker_malloc() -> None:
+    """Keep freed memory in the worker's heap instead of handing it back to the kernel after every task.
+
+    With glibc's defaults, a forked worker returned its multi-MB numpy temporaries to the kernel (munmap or heap
+    trim) after each task and page-faulted them back in for the next: ~230k minor faults and ~0.4 CPU s of system
+    time per 8.8 MB of text with 2 workers, where one process had ~26k. Fixed thresholds (which also turn off
+    glibc's dynamic threshold) let the heap reuse those pages. Only in pool workers, never in the caller's process;
+    a no-op where mallopt is unavailable (non-glibc)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, _WORKER_MMAP_THRESHOLD)
+    mallopt(M_TRIM_THRESHOLD, _WORKER_TRIM_THRESHOLD)
+
+
+_WORKER_MMAP_THRESHOLD = 64 << 20
+_WORKER_TRIM_THRESHOLD = 128 << 20
+
+
+def _start_worker(initializer, initargs) -> None:
+    _tune_worker_malloc()
+    initializer(*initargs)
+
+
 def _pool(workers: int, initializer, initargs):
     """A process pool (fork where available: workers start in milliseconds), or None for one worker."""
     if workers <= 1:
@@ -186,7 +218,7 @@ def _pool(workers: int, initializer, initargs):
         return None
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    return ctx.Pool(workers, initializer=initializer, initargs=initargs)
+    return ctx.Pool(workers, initializer=_start_worker, initargs=(initializer, initargs))
 
 
 # ----------------------------------------------------------------------------------------------- stage 1
