@@ -224,6 +224,36 @@ def _text_lines(reader: _CountingReader, source: str, report: SkipReport) -> Ite
     """Decode UTF-8 line by line; invalid bytes become U+FFFD (counted), over-long lines are cut (counted)."""
     buffered = io.BufferedReader(reader, buffer_size=1 << 20)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    # Fast path: whole ~1 MB blocks of complete lines, decoded and split at once (a newline byte is never part of
+    # a UTF-8 sequence, so this decodes exactly like line by line). A block with a line that readline() would cut
+    # (MAX_LINE_CHARS bytes or more) is handed, with everything after it, to the line-by-line loop below.
+    carry = b""
+    while True:
+        data = buffered.read(1 << 20)
+        block = carry + data if carry else data
+        if not block:
+            return
+        if data:
+            nl = block.rfind(b"\n")
+            carry, block = block[nl + 1:], block[:nl + 1]
+        else:
+            carry = b""
+        if len(carry) >= MAX_LINE_CHARS or (block and max(map(len, block.split(b"\n"))) >= MAX_LINE_CHARS):
+            buffered = _Prepend(block + carry, buffered)
+            break
+        if not block:
+            continue
+        text = decoder.decode(block)
+        if "\ufffd" in text:
+            report.add(source, "invalid_utf8_sequences", text.count("\ufffd"))
+        lines = text.split("\n")
+        last = lines.pop()
+        for line in lines:
+            yield line + "\n"
+        if not block.endswith(b"\n"):  # the file's unterminated last line (maybe "" if only a cut-off sequence)
+            yield last
+        if not data:
+            return
     while True:
         line = buffered.readline(MAX_LINE_CHARS)
         if not line:
