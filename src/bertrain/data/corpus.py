@@ -306,13 +306,19 @@ def _read_text(path: str, kind: str, report: SkipReport) -> Iterator[RawDocument
                 buf = []
         if buf:
             yield RawDocument("".join(buf), kind, path)
-        report.input_bytes += reader.nbytes
-        if reader.nbytes == 0:
-            report.add(path, "empty_files")
-        if reader.truncated:
-            report.add(path, "truncated_files")
-            logger.warning("%s is truncated (%s); kept what was read before the cut", path, reader.truncated)
+        _account_file(reader, path, report)
 
+
+
+def _account_file(reader: "_CountingReader", path: str, report: SkipReport,
+                  kept: str = "what was read before the cut") -> None:
+    """After a file is read: count its bytes, and report it if it was empty or cut short (a truncated bz2)."""
+    report.input_bytes += reader.nbytes
+    if reader.nbytes == 0:
+        report.add(path, "empty_files")
+    if reader.truncated:
+        report.add(path, "truncated_files")
+        logger.warning("%s is truncated (%s); kept %s", path, reader.truncated, kept)
 
 def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawDocument]:
     with _CountingReader(_open_binary(path)) as reader:
@@ -331,12 +337,7 @@ def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawD
                 report.add(path, f"lines_without_{text_field}")
                 continue
             yield RawDocument(text, "text", path)
-        report.input_bytes += reader.nbytes
-        if reader.nbytes == 0:
-            report.add(path, "empty_files")
-        if reader.truncated:
-            report.add(path, "truncated_files")
-            logger.warning("%s is truncated (%s); kept what was read before the cut", path, reader.truncated)
+        _account_file(reader, path, report)
 
 
 _DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set index[^}|]*|[^}|]*disambiguation)\s*[|}]",
@@ -390,13 +391,7 @@ def _read_wiki(path: str, opts: CorpusOptions, report: SkipReport) -> Iterator[R
                 raise ValueError(f"{path} is not a valid MediaWiki XML dump: {e}") from None
     finally:
         reader.close()
-    report.input_bytes += reader.nbytes
-    if reader.nbytes == 0:
-        report.add(path, "empty_files")
-    if reader.truncated:
-        report.add(path, "truncated_files")
-        logger.warning("%s is truncated (%s); kept the %d complete pages before the cut", path, reader.truncated,
-                       report.counts[path]["wiki_pages"])
+    _account_file(reader, path, report, kept=f"the {report.counts[path]['wiki_pages']} complete pages before the cut")
 
 
 def _read_builtin_python_docs(report: SkipReport) -> Iterator[RawDocument]:
