@@ -4,11 +4,12 @@ from __future__ import annotations
 import bz2
 import json
 import logging
+import random
 
 import pytest
 
-from bertrain.data.corpus import (CorpusOptions, SkipReport, clean_document, iter_documents, resolve_inputs,
-                                  split_sentences, strip_wiki_markup)
+from bertrain.data.corpus import (CorpusOptions, SkipReport, clean_document, clean_documents, iter_documents,
+                                  iter_raw_documents, resolve_inputs, split_sentences, strip_wiki_markup)
 from conftest import shared_file
 
 MARKUP = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref")
@@ -72,6 +73,39 @@ def test_split_sentences_abbreviations_initials_and_long_runs():
     long = split_sentences("word " * 3000, max_chars=1000)
     assert len(long) >= 15 and all(len(x) <= 1000 for x in long)
     assert " ".join(long).split() == ["word"] * 3000
+
+
+def test_one_word_sentence_ends_at_its_period():
+    # The abbreviation check looks at the word before the period, not at the text since the paragraph's start
+    # (which once made "Hi. Go" look like a dotted acronym and merged the sentences).
+    assert split_sentences("Hi. Go. Stop now. Mr. Smith left.") == ["Hi.", "Go.", "Stop now.", "Mr. Smith left."]
+
+
+FUZZ_ALPHABET = ["a", "B", "Mr", "Go", "no", ".", "!", "?", "\u2026", " ", "  ", "\n", "\n\n", "\n \n", "\r", "\r\n",
+                 "\t", "\u00a0", "\u3000", "e\u0301", "\u0301", "\x00", "\x02", "\x03", "\x1f", "\u200b", "\ufeff",
+                 "----", "\n----\n", "\"", "'", "(", "U.S.", "J.", "\u00c9", "1"]
+
+
+@pytest.mark.parametrize("ascii_only", [True, False])
+def test_batched_cleaning_equals_one_document_at_a_time(ascii_only):
+    """`clean_documents` joins a chunk's documents and cleans them in one pass; the result must be exactly the
+    per-document one, whatever the documents hold (separators, NULs, CRs at the joins, rule lines, odd spaces)."""
+    rng = random.Random(0)
+    alphabet = [a for a in FUZZ_ALPHABET if a.isascii()] if ascii_only else FUZZ_ALPHABET
+    for _ in range(1500):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25))) for _ in range(rng.randint(1, 6))]
+        for kind in ("text", "lines", "paragraphs"):
+            assert clean_documents(texts, kind) == [clean_document(t, kind) for t in texts], (kind, texts)
+
+
+@pytest.mark.parametrize("rel", ["text/tiny-shakespeare.txt", "wiki/enwiki-sample-pages-articles.xml.bz2"])
+def test_batched_cleaning_equals_one_document_at_a_time_on_real_corpora(rel):
+    raws = list(iter_raw_documents([str(shared_file(rel))], CorpusOptions(), SkipReport()))
+    kind = raws[0].kind
+    texts = [r.text for r in raws]
+    batched = [s for i in range(0, len(texts), 700) for s in clean_documents(texts[i:i + 700], kind)]
+    assert batched == [clean_document(t, kind) for t in texts]
+    assert sum(map(len, batched)) > 10_000
 
 
 def test_text_documents_split_on_blank_lines_and_soft_newlines(tmp_path):

@@ -26,12 +26,14 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_document, doc_hash,
+from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_documents, doc_hash,
                                   iter_raw_documents, resolve_inputs)
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer, read_vocab, tokenizer_identity
@@ -135,13 +137,14 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
     sentences: list[str] = []
     per_doc: list[int] = []
     skipped: dict[str, Counter] = defaultdict(Counter)
-    for text, kind, source in docs:
-        sents = clean_document(text, kind)
-        if sum(map(len, sents)) < _W["min_chars"]:
-            skipped[source.split("#")[0]]["short_documents"] += 1
-            continue
-        sentences.extend(sents)
-        per_doc.append(len(sents))
+    for (kind, group) in groupby(docs, key=itemgetter(1)):
+        group = list(group)
+        for (_, _, source), sents in zip(group, clean_documents([d[0] for d in group], kind)):
+            if sum(map(len, sents)) < _W["min_chars"]:
+                skipped[source.split("#")[0]]["short_documents"] += 1
+                continue
+            sentences.extend(sents)
+            per_doc.append(len(sents))
     if not sentences:
         return np.zeros(0, _W["dtype"]), np.zeros(0, np.int64), np.zeros(0, np.int64), dict(skipped), 0
     text_bytes = len("\n".join(sentences).encode("utf-8")) + 1  # each sentence and its newline
