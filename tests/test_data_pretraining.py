@@ -277,3 +277,51 @@ def test_tokenizer_identity_checked(prepared, tmp_path):
     other.write_text(VOCAB.read_text().replace("\nvalu\n", "\nvalue\n"))
     with pytest.raises(ValueError, match="tokenizer mismatch"):
         ds.check_tokenizer(other, True)
+
+
+def _greedy_blocks_reference(store: TokenStore, cfg: SampleConfig, targets: np.ndarray) -> np.ndarray:
+    """The reference's greedy grouping, one sentence at a time, with the same per-start-sentence targets."""
+    lengths = np.diff(store.sentence_starts).tolist()
+    ds = store.document_starts.tolist()
+    out = []
+    if cfg.next_sentence:
+        for d in range(len(ds) - 1):
+            s, end = ds[d], ds[d + 1]
+            while s < end:
+                total, e = 0, s
+                while e < end:
+                    total += lengths[e]
+                    e += 1
+                    if total >= targets[s]:
+                        break
+                out.append((s, e, d))
+                s = e
+    else:
+        doc_of = np.repeat(np.arange(len(ds) - 1), np.diff(ds)).tolist()
+        s = 0
+        while s < len(lengths):
+            total, e = 0, s
+            while e < len(lengths) and (e == s or total + lengths[e] <= targets[s]):
+                total += lengths[e]
+                e += 1
+            out.append((s, e, doc_of[s]))
+            s = e
+    return np.asarray(out, np.int64).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("next_sentence", [True, False])
+@pytest.mark.parametrize("seq_len", [16, 128, 512])
+def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, seq_len):
+    from bertrain.data.pretraining import _BLOCK_DOMAIN, _uniform, build_blocks, sample_keys
+
+    store = TokenStore(prepared)
+    cfg = SampleConfig(max_seq_length=seq_len, max_predictions_per_seq=4, short_seq_prob=0.3,
+                       next_sentence=next_sentence)
+    max_tokens = seq_len - (3 if next_sentence else 2)
+    keys = sample_keys(cfg.seed, _BLOCK_DOMAIN, np.arange(store.num_sentences))
+    short = _uniform(keys, 0) < cfg.short_seq_prob
+    targets = np.where(short, 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64), max_tokens)
+    assert 0.25 < short.mean() < 0.35 and targets.min() >= 2 and targets.max() == max_tokens
+    blocks = build_blocks(store, cfg)
+    np.testing.assert_array_equal(blocks, _greedy_blocks_reference(store, cfg, targets.tolist()))
+    assert blocks[0, 0] == 0 and blocks[-1, 1] == store.num_sentences and np.all(blocks[1:, 0] == blocks[:-1, 1])

@@ -88,8 +88,9 @@ class PrepareConfig:
     """Wikipedia: skip disambiguation pages."""
     shard_tokens: int = 1 << 25
     """Tokens per shard (32M tokens = 64 MB with a < 65536 vocab)."""
-    chunk_bytes: int = 1 << 20
-    """Text per worker task."""
+    chunk_bytes: int = 1 << 19
+    """Text per worker task (512 KB: the first task starts sooner and the last ones balance better than with 1 MB;
+    measured in BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -126,7 +127,6 @@ _W: dict[str, Any] = {}
 
 
 def _init_tokenize_worker(vocab_file: str, lower: bool, min_chars: int, dtype: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     _W.update(enc=FastBertEncoder(load_tokenizer(vocab_file, lower), lower), min_chars=max(1, min_chars),
               dtype=np.dtype(dtype))
 
@@ -174,7 +174,7 @@ def _static_rows(task: tuple[int, int, int, str]) -> int:
     ~100 MB of rows per 9 MB of text through the main process cost it ~0.3 CPU s (a quarter of the stage)."""
     epoch, lo, hi, dtype = task
     builder = _W["builder"]
-    rows = builder.build(epoch, np.arange(lo, hi)).astype(dtype)
+    rows = builder.build(epoch, np.arange(lo, hi), dtype=np.dtype(dtype))
     offset = (epoch * builder.n_blocks + lo) * rows.shape[1] * rows.itemsize
     data = memoryview(rows).cast("B")
     while len(data):
@@ -211,17 +211,24 @@ _WORKER_TRIM_THRESHOLD = 128 << 20
 
 def _start_worker(initializer, initargs) -> None:
     _tune_worker_malloc()
-    initializer(*initargs)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def _pool(workers: int, initializer, initargs):
-    """A process pool (fork where available: workers start in milliseconds), or None for one worker."""
+    """A process pool, or None for one worker (then the work runs in this process).
+
+    With fork (Linux) the worker state is built once here, before forking, and inherited: building it in each
+    worker (loading the tokenizer, ~30 ms) delayed the first task. With spawn each worker builds its own."""
     if workers <= 1:
         initializer(*initargs)
         return None
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    return ctx.Pool(workers, initializer=_start_worker, initargs=(initializer, initargs))
+    if "fork" in multiprocessing.get_all_start_methods():
+        initializer(*initargs)
+        return multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(None, ()))
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
+                                                     initargs=(initializer, initargs))
 
 
 # ----------------------------------------------------------------------------------------------- stage 1
@@ -327,6 +334,7 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int)
         if pool is not None:
             pool.terminate()
             pool.join()
+        _W.clear()
 
     for src, c in skips.items():
         for k, v in c.items():
@@ -385,8 +393,9 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers
         if pool is not None:
             pool.terminate()
             pool.join()
-        else:
-            os.close(_W.pop("out_fd"))
+        if "out_fd" in _W:  # this process's state (one worker, or built here before forking)
+            os.close(_W["out_fd"])
+        _W.clear()
     os.replace(tmp, out / "instances.bin")
     write_static_meta(out, sample_cfg, dupe_factor, n, builder.row_width, dtype, time.perf_counter() - t0)
     _fsync_dir(out)

@@ -190,12 +190,12 @@ class TokenStore:
         self.num_sentences = len(self.sentence_starts) - 1
         self.num_documents = len(self.document_starts) - 1
 
-    def tokens_at(self, idx: np.ndarray) -> np.ndarray:
-        """Token ids at global positions `idx` (any shape), as int64."""
+    def tokens_at(self, idx: np.ndarray, dtype: np.dtype = np.dtype(np.int64)) -> np.ndarray:
+        """Token ids at global positions `idx` (any shape), as `dtype` (int64 unless asked)."""
         if len(self.shards) == 1:
-            return self.shards[0].tokens[idx].astype(np.int64)
+            return self.shards[0].tokens[idx].astype(dtype, copy=False)
         flat = idx.ravel()
-        out = np.empty(flat.shape, np.int64)
+        out = np.empty(flat.shape, dtype)
         which = np.searchsorted(self.shard_token_starts, flat, side="right") - 1
         for s in np.unique(which):
             sel = which == s

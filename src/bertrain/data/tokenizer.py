@@ -11,7 +11,8 @@ import hashlib
 import logging
 import os
 import re
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import is_
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -98,12 +99,13 @@ def load_tokenizer(vocab_file: str | os.PathLike, do_lower_case: bool = True) ->
 _ASCII_WS = " \t\n\r"
 _ASCII_PUNCT = "!-/:-@\\[-`{-~"  # the 32 ASCII punctuation chars, as a character class body
 # A piece = a run of chars that are neither ASCII whitespace nor ASCII punctuation; or one punctuation char;
-# or a newline.
+# or a newline (a separator: `_fill_words` joins words with it).
 _PIECE = re.compile(f"[^{_ASCII_WS}{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]|\n")
 # BertNormalizer deletes these (category Cc, except tab/newline/CR); deleting them first joins pieces like it does.
 _ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]+")
 _ASCII_CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])  # = _ASCII_CONTROL
-_SEP_BYTES = np.array([-1], np.int32).tobytes()
+_SEP = (-1,)
+_SEP_BYTES = np.array(_SEP, np.int32).tobytes()
 
 
 class FastBertEncoder:
@@ -119,7 +121,7 @@ class FastBertEncoder:
         self.vocab = tokenizer.get_vocab()
         self.max_chars = getattr(tokenizer.model, "max_input_chars_per_word", 100)
         self.max_cache = max_cache
-        self.cache: dict[str, tuple[int, ...]] = {}  # piece -> ids
+        self.cache: dict[str, tuple[int, ...]] = {"\n": _SEP}  # piece -> ids ("\n": a separator, see _fill_words)
         # Space-delimited word (punctuation attached) -> its pieces' ids packed as int32 bytes: text splits at
         # spaces with one C call, and b"".join + np.frombuffer flattens the ids with no per-id Python work
         # (findall into pieces + chain/fromiter over id tuples was ~50 ms of the ~90 per MB).
@@ -137,7 +139,8 @@ class FastBertEncoder:
             return
         if len(cache) + len(missing) > self.max_cache:
             cache.clear()
-            missing = set(pieces)
+            cache["\n"] = _SEP
+            missing = set(pieces).difference(cache)
         # An ASCII piece is one pre-token whose normal form is itself (lower-cased when uncased); when that is a
         # vocab entry, WordPiece's greedy longest match takes it whole. Only the rest needs the HF tokenizer
         # (~5.5 us per word here): this halves the cost of the first chunk a worker sees.
@@ -154,13 +157,21 @@ class FastBertEncoder:
             cache[w] = tuple(enc.ids)
 
     def _fill_words(self, words: list[str]) -> None:
+        """Encode new words (no spaces or newlines in them) into `self.words`, all at once: one regex pass over the
+        words joined by newlines, one flatten, then each word's slice of the packed ids (a cold first chunk has
+        ~25k new words per MB, so per-word regex and numpy calls were most of its cost)."""
         if len(self.words) + len(words) > self.max_cache:
             self._reset_words()
-        split = [_PIECE.findall(w) for w in words]
-        self._fill(list(chain.from_iterable(split)))
+        pieces = _PIECE.findall("\n".join(words))  # "\n" pieces separate the words
+        self._fill(pieces)
         cache = self.cache
-        for w, pieces in zip(words, split):
-            self.words[w] = np.fromiter(chain.from_iterable(map(cache.__getitem__, pieces)), np.int32).tobytes()
+        flat = np.fromiter(chain.from_iterable(map(cache.__getitem__, pieces)), np.int32)
+        ends = np.flatnonzero(flat == -1).tolist() + [len(flat)]
+        packed = flat.tobytes()
+        start = 0
+        for w, end in zip(words, ends):
+            self.words[w] = packed[4 * start: 4 * end]
+            start = end + 1
 
     def encode_sentences(self, sentences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(concatenated ids int64, ids per sentence int64) for `sentences`."""
@@ -186,8 +197,7 @@ class FastBertEncoder:
         try:
             data = b"".join(found)
         except TypeError:  # some words are new (None): encode them, then join
-            missing = list({w for w, f in zip(words, found) if f is None})
-            self._fill_words(missing)
+            self._fill_words(list(set(compress(words, map(is_, found, repeat(None))))))
             data = b"".join(map(self.words.__getitem__, words))
         flat = np.frombuffer(data, np.int32).astype(np.int64)
         seps = np.flatnonzero(flat < 0)
