@@ -36,7 +36,7 @@ import numpy as np
 from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_documents, doc_hash,
                                   iter_raw_documents, resolve_inputs)
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
-from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer, read_vocab, tokenizer_identity
+from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
 from bertrain.utils.io import _fsync_dir, atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ _W: dict[str, Any] = {}
 
 
 def _init_tokenize_worker(vocab_file: str, lower: bool, min_chars: int, dtype: str) -> None:
-    _W.update(enc=FastBertEncoder(load_tokenizer(vocab_file, lower), lower), min_chars=max(1, min_chars),
+    _W.update(enc=FastBertEncoder.from_vocab_file(vocab_file, lower), min_chars=max(1, min_chars),
               dtype=np.dtype(dtype))
 
 
@@ -385,9 +385,13 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers
         # result threads ~0.8 ms of the main process's CPU), but small enough for every worker to get several.
         chunksize = max(1, min(4, len(tasks) // (4 * workers)))
         results = pool.imap_unordered(_static_rows, tasks, chunksize=chunksize) if pool else map(_static_rows, tasks)
-        for rows in results:
-            n += rows
         with open(tmp, "rb+") as f:
+            # The main process only waits here, so it flushes what the workers wrote so far every ~1/8 of the
+            # tasks: the final fsync then has little left (it was ~20 ms for 50 MB at the very end, serial).
+            for i, rows in enumerate(results, 1):
+                n += rows
+                if pool is not None and i % max(1, len(tasks) // 8) == 0:
+                    os.fdatasync(f.fileno())
             os.fsync(f.fileno())
     finally:
         if pool is not None:
