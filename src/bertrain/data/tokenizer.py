@@ -104,10 +104,34 @@ _ASCII_PUNCT = "!-/:-@\\[-`{-~"  # the 32 ASCII punctuation chars, as a characte
 # or a newline (a separator: `_fill_words` joins words with it).
 _PIECE = re.compile(f"[^{_ASCII_WS}{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]|\n")
 # BertNormalizer deletes these (category Cc, except tab/newline/CR); deleting them first joins pieces like it does.
-_ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]+")
-_ASCII_CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])  # = _ASCII_CONTROL
+_ASCII_CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])
 _SEP = (-1,)
 _SEP_BYTES = np.array(_SEP, np.int32).tobytes()
+
+
+def _greedy_wordpiece(word: str, vocab: dict[str, int], max_chars: int, unk: int, longest: int) -> tuple[int, ...]:
+    """WordPiece of one normalised pre-token, as HF `tokenizers`' WordPiece model (and google-research/bert) does
+    it: longest vocab prefix first, continuations with "##", the whole word [UNK] if some rest matches nothing.
+    `longest`: the length of the longest vocab entry (without "##"): no longer piece can match."""
+    i = vocab.get(word)
+    if i is not None and len(word) <= max_chars:  # the usual case: the word is a vocab entry
+        return (i,)
+    if len(word) > max_chars:
+        return (unk,)
+    ids = []
+    start, n = 0, len(word)
+    while start < n:
+        end = min(n, start + longest)
+        while end > start:
+            i = vocab.get(word[start:end] if start == 0 else "##" + word[start:end])
+            if i is not None:
+                break
+            end -= 1
+        else:
+            return (unk,)
+        ids.append(i)
+        start = end
+    return tuple(ids)
 
 
 class FastBertEncoder:
@@ -124,6 +148,7 @@ class FastBertEncoder:
         self.vocab = vocab if vocab is not None else tokenizer.get_vocab()  # get_vocab() takes ~10 ms for 30k
         self.max_chars = getattr(tokenizer.model, "max_input_chars_per_word", 100)
         self.max_cache = max_cache
+        self.longest: int | None = None  # longest vocab entry, for `_greedy_wordpiece` (computed when first needed)
         self.cache: dict[str, tuple[int, ...]] = {"\n": _SEP}  # piece -> ids ("\n": a separator, see _fill_words)
         # Space-delimited word (punctuation attached) -> its pieces' ids packed as int32 bytes: text splits at
         # spaces with one C call, and b"".join + np.frombuffer flattens the ids with no per-id Python work
@@ -150,18 +175,19 @@ class FastBertEncoder:
             cache.clear()
             cache["\n"] = _SEP
             missing = set(pieces).difference(cache)
-        # An ASCII piece is one pre-token whose normal form is itself (lower-cased when uncased); when that is a
-        # vocab entry, WordPiece's greedy longest match takes it whole. Only the rest needs the HF tokenizer
-        # (~5.5 us per word here): this halves the cost of the first chunk a worker sees.
-        vocab, lower, max_chars = self.vocab, self.lower, self.max_chars
+        # An ASCII piece (a run of ASCII letters and digits) is one pre-token whose normal form is itself, lower-cased
+        # when uncased: WordPiece's greedy longest-match-first on it is a few dict look-ups here, against ~8 us per
+        # word through the HF tokenizer (new words are most of the cost of a worker's first chunks: Wikipedia's
+        # sample has ~40k). Everything else (non-ASCII pieces) goes to the HF tokenizer itself.
+        vocab, lower, max_chars, unk = self.vocab, self.lower, self.max_chars, self.vocab.get("[UNK]")
+        if self.longest is None:
+            self.longest = max((len(t) - 2 if t.startswith("##") else len(t) for t in vocab), default=1)
         words = []
         for w in missing:
-            if w.isascii():
-                i = vocab.get(w.lower() if lower else w)
-                if i is not None and len(w) <= max_chars:
-                    cache[w] = (i,)
-                    continue
-            words.append(w)
+            if w.isascii() and unk is not None:
+                cache[w] = _greedy_wordpiece(w.lower() if lower else w, vocab, max_chars, unk, self.longest)
+            else:
+                words.append(w)
         for w, enc in zip(words, self.tokenizer.encode_batch_fast(words, add_special_tokens=False)):
             cache[w] = tuple(enc.ids)
 
@@ -191,13 +217,12 @@ class FastBertEncoder:
             parts = [self.encode_sentences([s.replace("\n", " ")]) for s in sentences]
             return (np.concatenate([p[0] for p in parts]),
                     np.asarray([len(p[0]) for p in parts], dtype=np.int64))
-        if text.isascii():  # bytes.translate finds and deletes ASCII controls ~10x faster than re
-            raw = text.encode("ascii")
-            kept = raw.translate(None, _ASCII_CONTROL_BYTES)
-            if len(kept) != len(raw):
-                text = kept.decode("ascii")
-        elif _ASCII_CONTROL.search(text):
-            text = _ASCII_CONTROL.sub("", text)
+        # bytes.translate finds (and deletes) ASCII controls ~10x faster than re; in UTF-8 an ASCII byte is
+        # always that character, never part of another one.
+        raw = text.encode("utf-8", "surrogatepass")
+        kept = raw.translate(None, _ASCII_CONTROL_BYTES)
+        if len(kept) != len(raw):
+            text = kept.decode("utf-8", "surrogatepass")
         if "\t" in text or "\r" in text:  # ASCII whitespace like " " (BertNormalizer maps it to " ")
             text = text.replace("\t", " ").replace("\r", " ")
         # Words between single spaces ("" between two spaces: no ids); "\n" (-1) separates the sentences.
