@@ -159,20 +159,33 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
     return ids, lens[keep], counts[counts > 0], {k: dict(v) for k, v in skipped.items()}, text_bytes
 
 
-def _init_static_worker(data_dir: str, sample_cfg: dict, out_path: str) -> None:
+def _static_setup(data_dir: str, sample_cfg: dict, out_path: str) -> None:
+    """A worker's static-instance state, made on its first static task (the pool is the one that tokenized:
+    a second pool cost ~15 ms of serial start-up and shutdown between the stages)."""
     from bertrain.data.pretraining import InstanceBuilder, SampleConfig
 
+    _close_static()  # (the word caches stay: freeing them took ~10 ms, and they are bounded by max_cache)
     _W["builder"] = InstanceBuilder(TokenStore(data_dir, verify=False, require_complete=False),
                                     SampleConfig(**sample_cfg))
     _W["out_fd"] = os.open(out_path, os.O_WRONLY)
+    _W["static_setup"] = (data_dir, sample_cfg, out_path)
 
 
-def _static_rows(task: tuple[int, int, int, str]) -> int:
+def _close_static() -> None:
+    if "out_fd" in _W:
+        os.close(_W.pop("out_fd"))
+    _W.pop("builder", None)
+    _W.pop("static_setup", None)
+
+
+def _static_rows(task: tuple[int, int, int, str, tuple[str, dict, str]]) -> int:
     """Build rows [lo, hi) of epoch `epoch` and write them in place into the pre-sized instances file.
 
     Workers write their own rows (os.pwrite at the row's fixed offset) instead of sending them back: piping
     ~100 MB of rows per 9 MB of text through the main process cost it ~0.3 CPU s (a quarter of the stage)."""
-    epoch, lo, hi, dtype = task
+    epoch, lo, hi, dtype, setup = task
+    if _W.get("static_setup") != setup:
+        _static_setup(*setup)
     builder = _W["builder"]
     rows = builder.build(epoch, np.arange(lo, hi), dtype=np.dtype(dtype))
     offset = (epoch * builder.n_blocks + lo) * rows.shape[1] * rows.itemsize
@@ -220,7 +233,8 @@ def _pool(workers: int, initializer, initargs):
     """A process pool, or None for one worker (then the work runs in this process).
 
     With fork (Linux) the worker state is built once here, before forking, and inherited: building it in each
-    worker (loading the tokenizer, ~30 ms) delayed the first task. With spawn each worker builds its own."""
+    worker (loading the tokenizer, ~30 ms) delayed the first task. With spawn each worker builds its own.
+    The caller ends it with `_end_pool`."""
     if workers <= 1:
         initializer(*initargs)
         return None
@@ -267,7 +281,15 @@ def _fingerprint(cfg: PrepareConfig, identity: str) -> dict[str, Any]:
     return {"inputs": files, "tokenizer": identity, **{k: getattr(cfg, k) for k in keys}}
 
 
-def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int) -> dict[str, Any]:
+def _end_pool(pool) -> None:
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+    _close_static()  # this process's state (one worker, or built here before forking)
+    _W.clear()
+
+
+def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict[str, Any]:
     vocab = read_vocab(cfg.vocab_file)
     dtype = token_dtype(len(vocab))
     fp = _fingerprint(cfg, identity)
@@ -299,8 +321,6 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int)
 
     writer: ShardWriter | None = None
     chunk_idx = done
-    pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.min_document_chars,
-                                                  dtype.name))
     try:
         results = pool.imap(_tokenize_chunk, todo()) if pool else map(_tokenize_chunk, todo())
         last_log = time.monotonic()
@@ -331,10 +351,6 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int)
     finally:
         if writer is not None:
             writer.abort()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        _W.clear()
 
     for src, c in skips.items():
         for k, v in c.items():
@@ -357,9 +373,11 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, workers: int)
 
 # ----------------------------------------------------------------------------------------------- stage 2
 
-def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers: int,
+def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, pool, workers: int,
                            require_complete: bool = True, block_batch: int = 2048) -> int:
-    """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count."""
+    """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count.
+
+    `pool`: a `_pool` of `workers` processes (or None: build in this process)."""
     from bertrain.data.pretraining import InstanceBuilder, static_dir_name, write_static_meta
 
     out = data_dir / static_dir_name(sample_cfg, dupe_factor)
@@ -369,17 +387,17 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers
         return int(meta["num_instances"])
     t0 = time.perf_counter()
     store = TokenStore(data_dir, verify=False, require_complete=require_complete)
-    builder = InstanceBuilder(store, sample_cfg)  # builds and caches the blocks before workers fork
+    builder = InstanceBuilder(store, sample_cfg)  # builds and caches the blocks, which the workers then load
     n_blocks = builder.n_blocks
     dtype = np.dtype(np.uint16) if max(store.vocab_size, sample_cfg.max_seq_length) < 65536 else np.dtype(np.uint32)
-    tasks = [(d, lo, min(lo + block_batch, n_blocks), dtype.name)
-             for d in range(dupe_factor) for lo in range(0, n_blocks, block_batch)]
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".instances.bin.tmp"
+    setup = (str(data_dir), dataclasses.asdict(sample_cfg), str(tmp))
+    tasks = [(d, lo, min(lo + block_batch, n_blocks), dtype.name, setup)
+             for d in range(dupe_factor) for lo in range(0, n_blocks, block_batch)]
     n = 0
     with open(tmp, "wb") as f:
         f.truncate(dupe_factor * n_blocks * builder.row_width * dtype.itemsize)
-    pool = _pool(workers, _init_static_worker, (str(data_dir), dataclasses.asdict(sample_cfg), str(tmp)))
     try:
         # Tasks go out in groups of up to 4 (a task is ~10 ms; one round trip each cost the pool's feeder and
         # result threads ~0.8 ms of the main process's CPU), but small enough for every worker to get several.
@@ -394,12 +412,7 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, workers
                     os.fdatasync(f.fileno())
             os.fsync(f.fileno())
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        if "out_fd" in _W:  # this process's state (one worker, or built here before forking)
-            os.close(_W["out_fd"])
-        _W.clear()
+        _close_static()
     os.replace(tmp, out / "instances.bin")
     write_static_meta(out, sample_cfg, dupe_factor, n, builder.row_width, dtype, time.perf_counter() - t0)
     _fsync_dir(out)
@@ -422,15 +435,23 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     if (work / "stats.json").exists():  # a finished build that was not renamed (killed at the very end)
         (work / "stats.json").unlink()
 
-    stage = _tokenize_stage(cfg, work, identity, workers)
-    meta, report = stage["meta"], stage["report"]
-    if meta["num_tokens"] == 0:
-        raise ValueError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
-    t_tok = time.perf_counter() - t0
-    num_instances = None
-    sample_cfg = cfg.sample_config()
-    if cfg.masking == "static":
-        num_instances = write_static_instances(work, sample_cfg, cfg.dupe_factor, workers, require_complete=False)
+    # One pool for both stages (the tokenize workers' state is built before forking; the static one in each
+    # worker on its first static task).
+    pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.min_document_chars,
+                                                  token_dtype(len(read_vocab(cfg.vocab_file))).name))
+    try:
+        stage = _tokenize_stage(cfg, work, identity, pool)
+        meta, report = stage["meta"], stage["report"]
+        if meta["num_tokens"] == 0:
+            raise ValueError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
+        t_tok = time.perf_counter() - t0
+        num_instances = None
+        sample_cfg = cfg.sample_config()
+        if cfg.masking == "static":
+            num_instances = write_static_instances(work, sample_cfg, cfg.dupe_factor, pool, workers,
+                                                   require_complete=False)
+    finally:
+        _end_pool(pool)
     seconds = time.perf_counter() - t0
     stats = {
         "num_documents": meta["num_documents"], "num_sentences": meta["num_sentences"],
