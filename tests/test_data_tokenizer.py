@@ -72,3 +72,17 @@ def test_real_corpora_equal_hf(rel, lower):
     sentences = corpus_sentences(str(shared_file(rel)))
     assert len(sentences) > 10_000
     assert_same(real_vocab(), lower, sentences)
+
+
+@pytest.mark.parametrize("lower", [True, False])
+@pytest.mark.parametrize("vocab", ["tiny", "real"])
+def test_random_ascii_words_equal_hf(lower, vocab):
+    """New ASCII words take the Python greedy WordPiece path: random letters/digits (with common suffixes, so
+    that splits into ##pieces, [UNK]s and over-long words all happen) must give HF's ids exactly."""
+    import random
+
+    rng = random.Random(1)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" + "ing" * 5 + "ed" * 5 + " .,"
+    sents = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(3000)]
+    sents.append("x" * 250 + " " + "ab" * 101)
+    assert_same(TINY_VOCAB if vocab == "tiny" else real_vocab(), lower, sents)
