@@ -38,14 +38,23 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
     fn(rank, world_size, *args)
 
 
+# The free port is released before rank 0 binds it, so another process can take it in between (rare): a run that
+# failed only because of that is retried on a new port.
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+_PORT_TRIES = 3
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` processes; raises if any fails."""
-    port = free_port()
-    if world_size == 1:  # still a fresh process, so global state (process group, RNG, threads) is isolated
-        mp.start_processes(_entry, args=(fn, 1, port, args), nprocs=1, join=True, start_method="spawn")
-        return
-    mp.start_processes(_entry, args=(fn, world_size, port, args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    """Run fn(rank, world_size, *args) on `world_size` processes (a fresh process even for 1, so that global state
+    — process group, RNG, threads — is isolated); raises if any fails."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
+                               start_method="spawn")
+            return
+        except mp.ProcessRaisedException as e:
+            if attempt + 1 == _PORT_TRIES or not any(t in str(e) for t in _PORT_TAKEN):
+                raise
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,6 +70,16 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def launch_cli(world_size: int, argv: list[str], timeout: float = 300, cwd: str | Path | None = None
                ) -> list[subprocess.CompletedProcess]:
     """`python -m bertrain ARGV` on `world_size` processes (torchrun-style environment); waits for all."""
+    for attempt in range(_PORT_TRIES):
+        results = _launch_cli_once(world_size, argv, timeout, cwd)
+        port_taken = any(r.returncode != 0 and any(t in r.stdout for t in _PORT_TAKEN) for r in results)
+        if not port_taken or world_size == 1 or attempt + 1 == _PORT_TRIES:
+            return results
+    raise AssertionError("unreachable")
+
+
+def _launch_cli_once(world_size: int, argv: list[str], timeout: float, cwd: str | Path | None
+                     ) -> list[subprocess.CompletedProcess]:
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "bertrain", *argv], cwd=cwd,
                               env=cli_env(rank_env(r, world_size, port) if world_size > 1 else None),
