@@ -32,7 +32,8 @@ def training_variants(args: argparse.Namespace) -> dict:
     split_qkv(model)  # SplitQKV modules are bypassed when `fused` is selected below
     qkv_mods = [m for m in model.modules() if isinstance(m, SplitQKV)]
 
-    def with_flags(unpad: bool = True, masked: bool = True, fused_qkv: bool = True, ckpt: bool = False):
+    def with_flags(unpad: bool = True, masked: bool = True, fused_qkv: bool = True, ckpt: bool = False,
+                   jagged: bool = False):
         fwd_masked = pretrain_forward(model, b, True, True)
         fwd_full = pretrain_forward(model, b, True, False)
         inner = {m: make_train_step(model, f, opt, device, args.precision) for m, f in ((True, fwd_masked),
@@ -40,6 +41,7 @@ def training_variants(args: argparse.Namespace) -> dict:
 
         def step() -> None:
             model.bert.unpad = unpad
+            model.bert.jagged_attention = jagged
             model.bert.gradient_checkpointing = ckpt
             for m, parent in zip(qkv_mods, qkv_parents):
                 parent.qkv = m if not fused_qkv else m.fused
@@ -54,6 +56,7 @@ def training_variants(args: argparse.Namespace) -> dict:
         Side("separate Q/K/V GEMMs", with_flags(fused_qkv=False)),
         Side("all off (padded, full head, separate QKV)", with_flags(False, False, False)),
         Side("all on + activation checkpointing", with_flags(ckpt=True)),
+        Side("all on + jagged (nested-tensor) attention", with_flags(jagged=True)),
     ]
     hf_opt = build_optimizer(hf, args.optimizer, device, True)
     sides.append(Side("HF BertForPreTraining (SDPA)",

@@ -12,7 +12,8 @@ import torch
 
 from bertrain.bench import ForLoopLamb, SplitQKV, pretraining_batch, qa_batch, split_qkv
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
-                                 BertForSequenceClassification, BertModel, gather_rows, scatter_rows, unpad_indices)
+                                 BertForSequenceClassification, BertModel, Jagged, gather_rows, scatter_rows,
+                                 unpad_indices)
 from bertrain.train.optim import Lamb
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -34,9 +35,9 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: st
 
 
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
-                 ckpt: bool = False, seed: int = 0):
+                 ckpt: bool = False, seed: int = 0, jagged: bool = False):
     model.zero_grad(set_to_none=True)
-    model.bert.unpad, model.bert.gradient_checkpointing = unpad, ckpt
+    model.bert.unpad, model.bert.gradient_checkpointing, model.bert.jagged_attention = unpad, ckpt, jagged
     x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
              next_sentence_label=b["next_sentence_labels"])
     if masked:
@@ -99,6 +100,67 @@ def test_unpadded_encoder_general_masks():
     full = torch.ones_like(mask)  # no padding: unpad falls back to the plain path
     torch.testing.assert_close(model(ids, attention_mask=full, unpad=True).last_hidden_state,
                                model(ids, attention_mask=full).last_hidden_state)
+
+
+def count_nests(monkeypatch) -> list[int]:
+    """Count the q/k/v tensors made nested, to prove the jagged path ran (an ignored flag would also "pass")."""
+    calls = [0]
+    original = Jagged.nest
+
+    def nest(self, t):
+        calls[0] += 1
+        return original(self, t)
+    monkeypatch.setattr(Jagged, "nest", nest)
+    return calls
+
+
+def test_jagged_attention_pretraining_equals_padded(batch, monkeypatch):
+    """Attention on nested (jagged) tensors: the same logits, loss and every gradient as the padded path."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny()).train()
+    ref, g_ref = pretrain_run(model, batch, unpad=False)
+    calls = count_nests(monkeypatch)
+    out, g = pretrain_run(model, batch, unpad=True, jagged=True)
+    assert calls[0] == 3 * tiny().num_hidden_layers
+    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
+    assert_same(g, g_ref, "grad")
+
+
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_jagged_attention_general_masks(empty_row, monkeypatch):
+    """Left padding and holes (the real tokens of a row need not be contiguous); a row without any token makes
+    the model fall back to padded attention for that batch."""
+    torch.manual_seed(0)
+    model = BertModel(tiny()).eval()
+    B, T = 4, 19
+    ids = torch.randint(5, 1003, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :6] = 0
+    mask[1, 3:5] = 0
+    mask[1, 15:] = 0
+    mask[3, 1:] = 0          # a single token
+    if empty_row:
+        mask[2] = 0
+    ids = ids * mask
+    ref = model(ids, attention_mask=mask).last_hidden_state
+    model.jagged_attention = True
+    calls = count_nests(monkeypatch)
+    out = model(ids, attention_mask=mask, unpad=True).last_hidden_state
+    assert calls[0] == (0 if empty_row else 3 * tiny().num_hidden_layers)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
+    assert (out[~real] == 0).all()
+
+
+def test_jagged_attention_with_checkpointing_and_dropout(batch):
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny(dropout=0.1)).train()
+    ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=True, seed=7)
+    out, g = pretrain_run(model, batch, unpad=True, jagged=True, ckpt=True, seed=7)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
+    assert_same(g, g_ref, "grad")
 
 
 def test_unpad_indices_trims_to_a_multiple_of_8():

@@ -65,6 +65,7 @@ class BenchOptions:
     fused_qkv: bool = True
     foreach: bool = True                # multi-tensor optimizer (fused AdamW on CUDA); False: per-tensor loop
     checkpointing: bool = False
+    jagged_attention: bool = False      # unpadded runs: attention on nested (jagged) tensors
 
     def __post_init__(self) -> None:
         if self.mode not in (*MODES, "all"):
@@ -336,6 +337,11 @@ def configure_ours(model: nn.Module, opts: BenchOptions) -> dict[str, Any]:
         active["gradient_checkpointing"] = opts.checkpointing
     elif opts.checkpointing:
         raise ValueError("--checkpointing: this model version has no gradient_checkpointing option")
+    if hasattr(bert, "jagged_attention"):
+        bert.jagged_attention = opts.jagged_attention
+        active["jagged_attention"] = opts.jagged_attention
+    elif opts.jagged_attention:
+        raise ValueError("--jagged-attention: this model version has no jagged_attention option")
     if not opts.fused_qkv:
         split_qkv(model)
     active["fused_qkv"] = opts.fused_qkv

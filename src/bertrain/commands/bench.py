@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-foreach", dest="foreach", action="store_false",
                         help="both sides: per-tensor optimizer loop and clipping instead of multi-tensor/fused")
     parser.add_argument("--checkpointing", action="store_true", help="ours: activation checkpointing per layer")
+    parser.add_argument("--jagged-attention", action="store_true",
+                        help="ours (unpadded runs): attention on nested/jagged tensors, no padding at all (flash "
+                             "varlen on CUDA; slower on CPU)")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
 
 
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                         min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,
                         masked_head=args.masked_head, fused_qkv=args.fused_qkv, foreach=args.foreach,
-                        checkpointing=args.checkpointing)
+                        checkpointing=args.checkpointing, jagged_attention=args.jagged_attention)
     if opts.steps is not None and opts.steps < 1:
         raise ValueError("--steps must be >= 1")
     result = run_bench(opts)

@@ -15,6 +15,8 @@ Fast paths (each tested equal to the plain path in tests/test_fastpath*.py, meas
 * Unpadding (`BertModel.forward(..., unpad=True)`): embeddings, projections, FFN and LayerNorms run on the real
   tokens only, a flat (N, H) tensor; the fused QKV output is re-padded to (B, T', 3H) just for attention, T' the
   longest sequence rounded up to a multiple of 8. The heads whose outputs do not depend on padding use it by default.
+  With `jagged_attention`, attention runs on nested (jagged) tensors instead: no padding anywhere (SDPA picks a
+  variable-length kernel: flash on CUDA).
 * `gradient_checkpointing`: recompute each layer in the backward pass instead of keeping its activations.
 * `compile_layers()`: torch.compile every encoder layer with dynamic shapes (one graph for all lengths).
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +237,31 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(x))
 
 
+class _DropFxTracingNotice(logging.Filter):
+    """torch.nested logs a one-off notice about `is_fx_tracing` from inside `nested_tensor_from_jagged` (a torch
+    internal, nothing the user can act on): drop just that record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """Sequence boundaries of a flat (N, ...) batch of real tokens, for nested (jagged) tensors."""
+
+    offsets: torch.Tensor  # (B + 1,) int64: sequence b is rows offsets[b]:offsets[b+1]
+    max_len: int           # the longest sequence (saves a host sync inside the kernels)
+
+    def nest(self, t: torch.Tensor) -> torch.Tensor:
+        """(N, nh, hs) -> nested (B, nh, j, hs). SDPA's nested kernels need contiguous values (one copy of q, k, v:
+        the padded path's scatter into a zero (B, T', 3H) grid copies as much, plus the padding)."""
+        nested = torch.nested.nested_tensor_from_jagged(t.contiguous(), self.offsets, max_seqlen=self.max_len)
+        return nested.transpose(1, 2)
+
+
 class BertSelfAttention(nn.Module):
     """Multi-head self-attention with one fused QKV projection and PyTorch's scaled_dot_product_attention."""
 
@@ -243,9 +272,16 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = config.attention_probs_dropout_prob
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None) -> torch.Tensor:
+                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
         H = x.size(-1)
         qkv = self.qkv(x)                                                  # (B, T, 3H), or (N, 3H) unpadded
+        if jagged is not None:  # unpadded, and no padding for attention either: nested (jagged) tensors
+            N = qkv.size(0)
+            q, k, v = (jagged.nest(t) for t in qkv.view(N, 3, self.num_heads, -1).unbind(1))  # 3 x (B, nh, j, hs)
+            with warnings.catch_warnings():  # the CPU fallback converts to torch's older nested layout, which warns
+                warnings.filterwarnings("ignore", "The PyTorch API of nested tensors", UserWarning)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0)
+            return y.transpose(1, 2).values().reshape(N, H)                # (N, H)
         if indices is not None:  # unpadded: scatter the real tokens into a zero (B, T, 3H) grid for attention
             B, T = mask.size(0), mask.size(-1)
             qkv = scatter_rows(qkv, indices, B * T).view(B, T, 3 * H)
@@ -278,8 +314,8 @@ class BertAttention(nn.Module):
         self.output = BertAddNorm(config.hidden_size, config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None) -> torch.Tensor:
-        return self.output(self.self(x, mask, indices), x)
+                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
+        return self.output(self.self(x, mask, indices, jagged), x)
 
 
 class BertIntermediate(nn.Module):
@@ -302,9 +338,10 @@ class BertLayer(nn.Module):
         self.output = BertAddNorm(config.intermediate_size, config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, H), or (N, H) real tokens with `indices` (N,) their places in the flattened (B, T) mask grid."""
-        x = self.attention(x, mask, indices)                               # (B, T, H) or (N, H)
+                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
+        """x: (B, T, H), or (N, H) real tokens with `indices` (N,) their places in the flattened (B, T) mask grid
+        (or with `jagged`, their sequences' boundaries, for attention without any padding)."""
+        x = self.attention(x, mask, indices, jagged)                       # (B, T, H) or (N, H)
         return self.output(self.intermediate(x), x)                        # (B, T, H) or (N, H)
 
 
@@ -315,13 +352,15 @@ class BertEncoder(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None) -> torch.Tensor:
+                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
         for layer in self.layer:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # keep only each layer's input; recompute the rest in backward (dropout replays its RNG state)
-                x = torch.utils.checkpoint.checkpoint(layer, x, mask, indices, use_reentrant=False)
+                # (the recompute check compares saved tensors' shapes, which nested tensors do not have)
+                x = torch.utils.checkpoint.checkpoint(layer, x, mask, indices, jagged, use_reentrant=False,
+                                                      determinism_check="none" if jagged else "default")
             else:
-                x = layer(x, mask, indices)
+                x = layer(x, mask, indices, jagged)
         return x
 
 
@@ -466,6 +505,8 @@ class BertModel(BertPreTrainedModel):
         # Used by the heads whose outputs do not depend on padding positions (pretraining with masked_positions,
         # classification): run unpadded. Set False to force the padded path everywhere.
         self.unpad = True
+        # Unpadded runs: attention on nested (jagged) tensors instead of re-padding to (B, T', 3H) around SDPA.
+        self.jagged_attention = False
         self.init_weights()
 
     @property
@@ -509,7 +550,12 @@ class BertModel(BertPreTrainedModel):
         positions = torch.arange(Tp, device=input_ids.device).repeat(B)  # (B*T',)
         flat = lambda t: t[:, :Tp].reshape(-1).index_select(0, indices)  # (B, T) -> (N,)
         x = self.embeddings(flat(input_ids), flat(token_type_ids), positions.index_select(0, indices))  # (N, H)
-        x = self.encoder(x, _attention_mask(mask), indices)              # (N, H)
+        lengths = mask.sum(1)                                            # (B,)
+        if self.jagged_attention and bool(lengths.all()):  # (a sequence without tokens: padded attention)
+            offsets = F.pad(lengths.cumsum(0), (1, 0))
+            x = self.encoder(x, None, None, Jagged(offsets, int(lengths.max())))  # (N, H)
+        else:
+            x = self.encoder(x, _attention_mask(mask), indices)          # (N, H)
         h = scatter_rows(x, indices, B * Tp).view(B, Tp, -1)            # (B, T', H), 0 on padding
         return F.pad(h, (0, 0, 0, T - Tp)) if Tp < T else h             # (B, T, H)
 

@@ -194,6 +194,10 @@ class ModelSection:
     """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
     compile: bool = False
     """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
+    jagged_attention: bool = False
+    """Attention on nested (jagged) tensors: no padding even inside attention (SDPA's variable-length flash kernel
+    on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md); measure with `bertrain bench
+    --jagged-attention` on your GPU."""
 
     def architecture_overrides(self) -> dict:
         """The BertConfig fields this section overrides."""

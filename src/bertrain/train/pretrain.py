@@ -86,6 +86,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> RunResult:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = build_model(cfg, data.vocab_size, data.tokenizer_files).to(dist.device)
         model.bert.gradient_checkpointing = cfg.model.gradient_checkpointing
+        model.bert.jagged_attention = cfg.model.jagged_attention
         if cfg.model.compile:
             model.bert.compile_layers()
         total_steps = resolve_total_steps(cfg, data.loader, plan)
