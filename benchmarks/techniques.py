@@ -28,7 +28,7 @@ def training_variants(args: argparse.Namespace) -> dict:
     model = BertForPreTraining(config).to(device).train()
     hf = build_hf(model).to(device).train()
     b = {k: v.to(device) for k, v in pretraining_batch(config, args.batch_size, args.seq_len, 1234).items()}
-    opt = build_optimizer(model, args.optimizer, device, True)
+    opt = build_optimizer(model, args.optimizer, device, None)
     split_qkv(model)  # SplitQKV modules are bypassed when `fused` is selected below
     qkv_mods = [m for m in model.modules() if isinstance(m, SplitQKV)]
 
@@ -58,7 +58,7 @@ def training_variants(args: argparse.Namespace) -> dict:
         Side("all on + activation checkpointing", with_flags(ckpt=True)),
         Side("all on + jagged (nested-tensor) attention", with_flags(jagged=True)),
     ]
-    hf_opt = build_optimizer(hf, args.optimizer, device, True)
+    hf_opt = build_optimizer(hf, args.optimizer, device, None)
     sides.append(Side("HF BertForPreTraining (SDPA)",
                       make_train_step(hf, pretrain_forward(hf, b, False), hf_opt, device, args.precision)))
     time_interleaved(sides, args.steps, args.warmup, device)
@@ -83,7 +83,8 @@ def optimizer_variants(args: argparse.Namespace) -> dict:
     model.params = torch.nn.ParameterList(params)
     variants = {
         "LAMB multi-tensor (bertrain.train.optim.Lamb)": build_optimizer(model, "lamb", device, True),
-        "LAMB per-tensor loop": build_optimizer(model, "lamb", device, False),
+        "LAMB per-tensor (bertrain.train.optim.Lamb, foreach=False: the CPU default)":
+            build_optimizer(model, "lamb", device, False),
         "AdamW fused": build_optimizer(model, "adamw", device, True),
         "AdamW foreach": torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True),
         "AdamW per-tensor loop": build_optimizer(model, "adamw", device, False),

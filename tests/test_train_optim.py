@@ -54,10 +54,11 @@ def _batches(n: int):
     return [(torch.randint(0, 11, (16,), generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
 
 
+@pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("nvlamb,bias_correction,min_tr,max_tr", [
     (False, True, 0.01, 10.0), (True, True, 0.0, 10.0), (False, False, 0.5, 2.0),
 ])
-def test_lamb_matches_reference_step_by_step(nvlamb, bias_correction, min_tr, max_tr) -> None:
+def test_lamb_matches_reference_step_by_step(nvlamb, bias_correction, min_tr, max_tr, foreach) -> None:
     torch.manual_seed(0)
     model = Toy()
     ref = [p.detach().clone() for p in model.parameters()]
@@ -67,7 +68,7 @@ def test_lamb_matches_reference_step_by_step(nvlamb, bias_correction, min_tr, ma
     wd_of = [wd_of_id[id(p)] for p in model.parameters()]
     lr, betas, eps = 0.02, (0.9, 0.99), 1e-6
     opt = Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.1, bias_correction=bias_correction,
-               min_trust_ratio=min_tr, max_trust_ratio=max_tr, nvlamb=nvlamb)
+               min_trust_ratio=min_tr, max_trust_ratio=max_tr, nvlamb=nvlamb, foreach=foreach)
     states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
     clamped = False
     for step, (x, y) in enumerate(_batches(12)):

@@ -63,7 +63,8 @@ class BenchOptions:
     unpad: bool = True
     masked_head: bool = True
     fused_qkv: bool = True
-    foreach: bool = True                # multi-tensor optimizer (fused AdamW on CUDA); False: per-tensor loop
+    foreach: bool = True                # each optimizer's fast form for the device (fused AdamW; LAMB multi-
+                                        # tensor on CUDA, per-tensor on CPU); False: per-tensor loops
     checkpointing: bool = False
     jagged_attention: bool = False      # unpadded runs: attention on nested (jagged) tensors
 
@@ -357,58 +358,19 @@ def compile_ours(model: nn.Module) -> str:
     return "torch.compile(model, dynamic=True)"
 
 
-def build_optimizer(model: nn.Module, name: str, device: torch.device, foreach: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, name: str, device: torch.device, foreach: bool | None
+                    ) -> torch.optim.Optimizer:
     """The optimizer both sides use: torch AdamW fused (HF Trainer's default `adamw_torch_fused`; for-loop when
-    foreach=False) or our multi-tensor LAMB (a per-tensor loop of the same maths when foreach=False).
-    No decay on biases/LayerNorm."""
+    foreach=False) or our LAMB (`foreach` None: its per-device default, multi-tensor on CUDA and per-tensor on CPU;
+    True/False: forced). No decay on biases/LayerNorm."""
     from bertrain.train.optim import Lamb, param_groups
 
     groups = param_groups(model, 0.01)
     if name == "lamb":
-        return Lamb(groups, lr=1e-4) if foreach else ForLoopLamb(groups, lr=1e-4)
-    if not foreach:
+        return Lamb(groups, lr=1e-4, foreach=foreach)
+    if foreach is False:
         return torch.optim.AdamW(groups, lr=1e-5, foreach=False)
     return torch.optim.AdamW(groups, lr=1e-5, fused=True)  # one kernel per tensor, on CUDA and on CPU
-
-
-class ForLoopLamb(torch.optim.Optimizer):
-    """LAMB written one tensor at a time: the reference the multi-tensor `bertrain.train.optim.Lamb` is tested
-    against, and the 'off' side of its benchmark. Same maths and hyper-parameters (no NVLAMB pre-normalisation)."""
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, bias_correction: bool = True, min_trust_ratio: float = 0.01,
-                 max_trust_ratio: float = 10.0) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      bias_correction=bias_correction, min_trust_ratio=min_trust_ratio,
-                                      max_trust_ratio=max_trust_ratio))
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                st["step"] += 1
-                m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                step = float(st["step"])
-                bc1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
-                bc2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
-                update = (m / bc1) / ((v / bc2).sqrt() + group["eps"])
-                if group["weight_decay"] != 0:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
-                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30),
-                                    torch.ones_like(w_norm))
-                ratio = ratio.clamp(group["min_trust_ratio"], group["max_trust_ratio"])
-                p.add_(update * (ratio * -group["lr"]))
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -524,7 +486,7 @@ def bench_mode(mode: str, opts: BenchOptions, peak: float) -> dict[str, Any]:
         else:
             fwd = qa_forward(model, b, with_loss=training)
         if training:
-            opt = build_optimizer(model, opt_name, device, opts.foreach)
+            opt = build_optimizer(model, opt_name, device, None if opts.foreach else False)
             step = make_train_step(model, fwd, opt, device, opts.precision, opts.foreach)
         else:
             step = make_inference_step(fwd, device, opts.precision)
