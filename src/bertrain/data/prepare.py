@@ -1,14 +1,14 @@
 """`prepare`: corpora -> token store (+ static instances), streaming, on every core, atomic and resumable.
 
 Stage 1 (tokenize): the main process reads raw documents (decompression, XML parsing, optional de-duplication)
-and cuts them into ~1 MB chunks; a pool of worker processes cleans, sentence-splits and tokenizes each chunk
-(`FastBertEncoder`: HF `tokenizers`' exact ids, cached per word); the main process appends results, in input order, to the current shard and closes it
-atomically when it reaches `shard_tokens`. Memory is bounded by the shard size and the pool's queue, not by the
-corpus.
+and cuts them into ~512 KB chunks; a pool of worker processes cleans and sentence-splits each chunk in one pass
+(`clean_documents`) and tokenizes it (`FastBertEncoder`: HF `tokenizers`' exact ids, cached per word); the main
+process appends results, in input order, to the current shard and closes it atomically when it reaches
+`shard_tokens`. Memory is bounded by the shard size and the pool's queue, not by the corpus.
 
-Stage 2 (`masking="static"`): `dupe_factor` x blocks instance rows, built in parallel by the vectorised
-`InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1); each worker writes its rows in place into
-one pre-sized fixed-width file.
+Stage 2 (`masking="static"`): `dupe_factor` x blocks instance rows, built in parallel (by the same pool) by the
+vectorised `InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1); each worker writes its rows in place
+into one pre-sized fixed-width file.
 
 Everything is built in `OUTPUT.partial/`, renamed to `OUTPUT` only when complete (with `stats.json` written last).
 `progress.json` records the finished shards; a re-run of the same command after a kill skips the chunks already
