@@ -17,6 +17,13 @@ from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestion
 from bertrain.train.optim import Lamb
 
 RTOL, ATOL = 1e-5, 1e-6
+# Every test that takes `dev` also runs on CUDA when there is a GPU (the "device run" of issue 6): fp32 there too,
+# with a looser tolerance (different kernels on each side: SDPA with and without a mask, reductions in other orders).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def tol(dev: torch.device) -> dict[str, float]:
+    return dict(rtol=RTOL, atol=ATOL) if dev.type == "cpu" else dict(rtol=2e-4, atol=2e-5)
 
 
 def tiny(dropout: float = 0.0) -> BertConfig:
@@ -28,10 +35,11 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, rtol: float = RTOL,
+                atol: float = ATOL) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what} {k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
@@ -50,33 +58,44 @@ def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad
     return out, grads(model)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def dev(request) -> torch.device:
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="module")
 def batch() -> dict[str, torch.Tensor]:
     return pretraining_batch(tiny(), 6, 40, seed=3)
 
 
-def test_unpadded_pretraining_equals_padded(batch):
-    torch.manual_seed(0)
-    model = BertForPreTraining(tiny()).train()
-    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # there is padding to remove
-    ref, g_ref = pretrain_run(model, batch, unpad=False)
-    out, g = pretrain_run(model, batch, unpad=True)
-    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
-    assert_same(g, g_ref, "grad")
+@pytest.fixture(scope="module")
+def dbatch(batch, dev) -> dict[str, torch.Tensor]:
+    """`batch` on each test device."""
+    return {k: v.to(dev) for k, v in batch.items()}
 
 
-def test_masked_position_head_equals_full_head_gathered(batch):
+def test_unpadded_pretraining_equals_padded(dbatch, dev):
     torch.manual_seed(0)
-    model = BertForPreTraining(tiny())
-    full, g_full = pretrain_run(model, batch, unpad=False, masked=False)
-    fast, g_fast = pretrain_run(model, batch, unpad=True, masked=True)
+    model = BertForPreTraining(tiny()).to(dev).train()
+    assert int(dbatch["attention_mask"].sum()) < dbatch["attention_mask"].numel()  # there is padding to remove
+    ref, g_ref = pretrain_run(model, dbatch, unpad=False)
+    out, g = pretrain_run(model, dbatch, unpad=True)
+    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, **tol(dev))
+    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, **tol(dev))
+    torch.testing.assert_close(out.loss, ref.loss, **tol(dev))
+    assert_same(g, g_ref, "grad", **tol(dev))
+
+
+def test_masked_position_head_equals_full_head_gathered(dbatch, dev):
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny()).to(dev)
+    full, g_full = pretrain_run(model, dbatch, unpad=False, masked=False)
+    fast, g_fast = pretrain_run(model, dbatch, unpad=True, masked=True)
     V = full.prediction_logits.size(-1)
-    expected = full.prediction_logits.gather(1, batch["masked_positions"][..., None].expand(-1, -1, V))
-    torch.testing.assert_close(fast.prediction_logits, expected, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(fast.loss, full.loss, rtol=RTOL, atol=ATOL)
-    assert_same(g_fast, g_full, "grad")
+    expected = full.prediction_logits.gather(1, dbatch["masked_positions"][..., None].expand(-1, -1, V))
+    torch.testing.assert_close(fast.prediction_logits, expected, **tol(dev))
+    torch.testing.assert_close(fast.loss, full.loss, **tol(dev))
+    assert_same(g_fast, g_full, "grad", **tol(dev))
 
 
 def test_unpadded_encoder_general_masks():
@@ -114,18 +133,18 @@ def count_nests(monkeypatch) -> list[int]:
     return calls
 
 
-def test_jagged_attention_pretraining_equals_padded(batch, monkeypatch):
+def test_jagged_attention_pretraining_equals_padded(dbatch, dev, monkeypatch):
     """Attention on nested (jagged) tensors: the same logits, loss and every gradient as the padded path."""
     torch.manual_seed(0)
-    model = BertForPreTraining(tiny()).train()
-    ref, g_ref = pretrain_run(model, batch, unpad=False)
+    model = BertForPreTraining(tiny()).to(dev).train()
+    ref, g_ref = pretrain_run(model, dbatch, unpad=False)
     calls = count_nests(monkeypatch)
-    out, g = pretrain_run(model, batch, unpad=True, jagged=True)
+    out, g = pretrain_run(model, dbatch, unpad=True, jagged=True)
     assert calls[0] == 3 * tiny().num_hidden_layers
-    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
-    assert_same(g, g_ref, "grad")
+    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, **tol(dev))
+    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, **tol(dev))
+    torch.testing.assert_close(out.loss, ref.loss, **tol(dev))
+    assert_same(g, g_ref, "grad", **tol(dev))
 
 
 @pytest.mark.parametrize("empty_row", [False, True])
@@ -178,11 +197,11 @@ def test_unpad_indices_trims_to_a_multiple_of_8():
     torch.testing.assert_close(x.grad, expected)
 
 
-def test_unpadded_classification_equals_padded():
+def test_unpadded_classification_equals_padded(dev):
     torch.manual_seed(0)
-    model = BertForSequenceClassification(tiny(), num_labels=3)
-    b = qa_batch(tiny(), 5, 33, seed=4)
-    labels = torch.tensor([0, 1, 2, 1, 0])
+    model = BertForSequenceClassification(tiny(), num_labels=3).to(dev)
+    b = {k: v.to(dev) for k, v in qa_batch(tiny(), 5, 33, seed=4).items()}
+    labels = torch.tensor([0, 1, 2, 1, 0], device=dev)
     results = []
     for unpad in (False, True):
         model.zero_grad(set_to_none=True)
@@ -190,8 +209,8 @@ def test_unpadded_classification_equals_padded():
         out = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=labels)
         out.loss.backward()
         results.append((out.logits, grads(model)))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=RTOL, atol=ATOL)
-    assert_same(results[1][1], results[0][1], "grad")
+    torch.testing.assert_close(results[1][0], results[0][0], **tol(dev))
+    assert_same(results[1][1], results[0][1], "grad", **tol(dev))
 
 
 def test_unpadded_question_answering_keeps_real_logits():
@@ -209,13 +228,13 @@ def test_unpadded_question_answering_keeps_real_logits():
 
 
 @pytest.mark.parametrize("unpad", [False, True])
-def test_activation_checkpointing_equals_plain_with_dropout(batch, unpad):
+def test_activation_checkpointing_equals_plain_with_dropout(dbatch, dev, unpad):
     torch.manual_seed(0)
-    model = BertForPreTraining(tiny(dropout=0.1)).train()
-    ref, g_ref = pretrain_run(model, batch, unpad=unpad, seed=7)
-    out, g = pretrain_run(model, batch, unpad=unpad, ckpt=True, seed=7)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
-    assert_same(g, g_ref, "grad")
+    model = BertForPreTraining(tiny(dropout=0.1)).to(dev).train()
+    ref, g_ref = pretrain_run(model, dbatch, unpad=unpad, seed=7)
+    out, g = pretrain_run(model, dbatch, unpad=unpad, ckpt=True, seed=7)
+    torch.testing.assert_close(out.loss, ref.loss, **tol(dev))
+    assert_same(g, g_ref, "grad", **tol(dev))
 
 
 def test_split_qkv_ablation_equals_fused(batch):
