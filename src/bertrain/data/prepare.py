@@ -409,7 +409,7 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, pool, w
             for i, rows in enumerate(results, 1):
                 n += rows
                 if pool is not None and i % max(1, len(tasks) // 8) == 0:
-                    os.fdatasync(f.fileno())
+                    getattr(os, "fdatasync", os.fsync)(f.fileno())  # (macOS has no fdatasync)
             os.fsync(f.fileno())
     finally:
         _close_static()
