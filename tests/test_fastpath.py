@@ -292,12 +292,13 @@ COMPILE = os.environ.get("BERTRAIN_TEST_COMPILE") == "1"
 @pytest.mark.skipif(not COMPILE, reason="torch.compile (inductor C++ codegen) of the tiny model takes 1-3 minutes "
                                         "on the 2-core CI machine, over the suite's time budget; "
                                         "set BERTRAIN_TEST_COMPILE=1 to run it")
-def test_compiled_layers_equal_eager(batch):
+@pytest.mark.parametrize("jagged", [False, True])
+def test_compiled_layers_equal_eager(batch, jagged):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny())
-    ref, g_ref = pretrain_run(model, batch, unpad=True)
+    ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=jagged)
     model.bert.compile_layers()
-    out, g = pretrain_run(model, batch, unpad=True)
+    out, g = pretrain_run(model, batch, unpad=True, jagged=jagged)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5)
@@ -305,6 +306,6 @@ def test_compiled_layers_equal_eager(batch):
     b2 = pretraining_batch(tiny(), 6, 40, seed=11)
     model2 = BertForPreTraining(tiny())
     model2.load_state_dict({k.replace("._orig_mod", ""): v for k, v in model.state_dict().items()})
-    out2, _ = pretrain_run(model, b2, unpad=True)
-    ref2, _ = pretrain_run(model2, b2, unpad=True)
+    out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged)
+    ref2, _ = pretrain_run(model2, b2, unpad=True, jagged=jagged)
     torch.testing.assert_close(out2.loss, ref2.loss, rtol=1e-4, atol=1e-5)

@@ -197,7 +197,7 @@ class ModelSection:
     jagged_attention: bool = False
     """Attention on nested (jagged) tensors: no padding even inside attention (SDPA's variable-length flash kernel
     on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md); measure with `bertrain bench
-    --jagged-attention` on your GPU. Not yet tried together with `compile`."""
+    --jagged-attention` on your GPU. Works with `compile` (equal to eager on CPU)."""
 
     def architecture_overrides(self) -> dict:
         """The BertConfig fields this section overrides."""
