@@ -58,7 +58,7 @@ class BenchOptions:
     threads: int | None = None          # torch.set_num_threads; None: leave torch's default
     min_len_frac: float = 0.3           # lengths ~ U[ceil(min_len_frac*T), T]
     optimizer: str = "adamw"            # pretraining optimizer for both sides: adamw (fused; HF Trainer's default
-                                        # adamw_torch_fused) | lamb (our multi-tensor LAMB); finetune: adamw
+                                        # adamw_torch_fused) | lamb (our LAMB); finetune: adamw
     # our fast paths (each can be switched off to measure what it gives)
     unpad: bool = True
     masked_head: bool = True
@@ -358,6 +358,14 @@ def compile_ours(model: nn.Module) -> str:
     return "torch.compile(model, dynamic=True)"
 
 
+def _optimizer_form(name: str, foreach: bool, device: torch.device) -> str:
+    if not foreach:
+        return "per-tensor loop"
+    if name == "lamb":
+        return "multi-tensor" if device.type == "cuda" else "per-tensor, the CPU default"
+    return "fused"
+
+
 def build_optimizer(model: nn.Module, name: str, device: torch.device, foreach: bool | None
                     ) -> torch.optim.Optimizer:
     """The optimizer both sides use: torch AdamW fused (HF Trainer's default `adamw_torch_fused`; for-loop when
@@ -498,7 +506,7 @@ def bench_mode(mode: str, opts: BenchOptions, peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "seq_len": T, "batch_size": B, "real_tokens": real_tokens, "padded_tokens": B * T,
         "masked_tokens": masked, "flops_per_step": flops, "steps": steps, "warmup": warmup,
-        "optimizer": f"{opt_name} ({'multi-tensor' if opts.foreach else 'for-loop'})" if training else None,
+        "optimizer": f"{opt_name} ({_optimizer_form(opt_name, opts.foreach, device)})" if training else None,
         "bertrain_options": active,
     }
     for s in sides:
