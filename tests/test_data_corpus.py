@@ -183,3 +183,46 @@ def test_truncated_bz2_keeps_complete_pages_and_says_so(tmp_path, caplog):
 def test_clean_document_controls_and_nfc():
     out = clean_document("Cafe\u0301 au lait\x00 is\u200b good. Next one.", "text")
     assert out == ["Caf\u00e9 au lait is good.", "Next one."]
+
+
+def _documents_line_by_line(path, report):
+    """The plain reference for `_read_text`: a document is a maximal run of lines whose strip() is not empty."""
+    from bertrain.data import corpus
+
+    with corpus._CountingReader(corpus._open_binary(str(path))) as reader:
+        buf = []
+        for line in corpus._text_lines(reader, str(path), report):
+            if line.strip():
+                buf.append(line)
+            elif buf:
+                yield "".join(buf)
+                buf = []
+        if buf:
+            yield "".join(buf)
+
+
+@pytest.mark.parametrize("short_lines", [False, True])
+def test_text_documents_block_reader_equals_line_by_line(tmp_path, monkeypatch, short_lines):
+    """Documents found per decoded block (one regex pass) are those of the line-by-line rule, whatever the
+    whitespace-only lines (\\r, \\x1c, U+3000, U+2028), invalid bytes, unterminated last lines, and over-long
+    lines cut into pieces (MAX_LINE_CHARS shrunk to 64, or blocks to 40 bytes, so that pieces and block ends fall
+    everywhere)."""
+    from bertrain.data import corpus
+
+    if short_lines:
+        monkeypatch.setattr(corpus, "MAX_LINE_CHARS", 64)
+    else:  # many block ends inside the fast path
+        monkeypatch.setattr(corpus, "_BLOCK_BYTES", 40)
+    rng = random.Random(1)
+    pieces = ["abc", "Hello world.", " ", "  ", "\t", "\r", "\x1c", "\u3000", "\u2028", "\x85", "é", "\n", "\n", "\n",
+              "\r\n", "\n  \n"]
+    for i in range(150):
+        parts = [rng.choice(pieces) for _ in range(rng.randint(0, 150))]
+        if short_lines and rng.random() < 0.5:
+            parts.insert(rng.randint(0, len(parts)), "x" * rng.randint(60, 300) + " y" * rng.randint(0, 40))
+        data = "".join(parts).encode("utf-8") + (b"\xff\xfe tail\n" if rng.random() < 0.2 else b"")
+        path = tmp_path / f"f{i}.txt"
+        path.write_bytes(data)
+        expected = list(_documents_line_by_line(path, SkipReport()))
+        got = [d.text for d in corpus._read_text(str(path), "text", SkipReport())]
+        assert got == expected, repr(data[:200])
