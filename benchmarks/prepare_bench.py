@@ -2,6 +2,7 @@
 
     python benchmarks/prepare_bench.py --input ../shared/data/text/tiny-shakespeare.txt --repeat 1 8
     python benchmarks/prepare_bench.py --input ../shared/data/wiki/enwiki-sample-pages-articles.xml.bz2
+    python benchmarks/prepare_bench.py --input ../shared/data/wiki/enwiki-sample-pages-articles.xml.bz2 --as-extracted-text
 
 Each run is a fresh subprocess (`bertrain prepare`, seq 128, 20 predictions, dupe 5, static masking, every core)
 so peak RSS is measured per run: the largest of the main process and of any worker. `--repeat K` passes the input
@@ -59,7 +60,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, nargs="+", default=[1])
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--breakdown", action="store_true", help="also time each stage in one process")
+    ap.add_argument("--as-extracted-text", action="store_true",
+                    help="first extract the input's documents to a plain text file (what google-research/bert's "
+                         "script would read: for a Wikipedia dump, the articles after markup stripping), then "
+                         "benchmark on that file")
     args = ap.parse_args()
+    if args.as_extracted_text:
+        args.input = extract_text(args.input)
     print(f"vocab {args.vocab_file}; {args.workers} workers; {os.cpu_count()} cores")
     print("| input | x | text MB | input MB | tokens | instances | wall s | prepare s | CPU s | text MB/s total "
           "| text MB/s per core | tokens/s total | tokens/s per core | peak RSS MB |")
@@ -75,6 +82,18 @@ def main() -> None:
     if args.breakdown:
         stage_breakdown([args.input] * max(args.repeat), args.vocab_file)
 
+
+
+def extract_text(path: str) -> str:
+    """The input's documents as cleaned by `prepare` (sentences on lines, documents separated by blank lines) in a
+    temporary text file, named like the input."""
+    from bertrain.data.corpus import CorpusOptions, SkipReport, iter_documents
+
+    out = Path(tempfile.mkdtemp()) / (Path(path).name.split(".")[0] + "-extracted.txt")
+    with open(out, "w", encoding="utf-8") as f:
+        for doc in iter_documents([path], CorpusOptions(), SkipReport()):
+            f.write("\n".join(doc.sentences) + "\n\n")
+    return str(out)
 
 
 def stage_breakdown(inputs: list[str], vocab: str) -> None:
