@@ -37,7 +37,7 @@ from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipR
                                   iter_raw_documents, resolve_inputs)
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
-from bertrain.utils.io import _fsync_dir, atomic_write_json
+from bertrain.utils.io import _fsync_dir, atomic_write_json, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -469,15 +469,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     report.log(logger)
     (work / "progress.json").unlink(missing_ok=True)
     atomic_write_json(work / "stats.json", stats)  # marks the folder complete
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(work, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(work, out)
-    _fsync_dir(out.parent)
+    replace_dir(work, out)
     logger.info("prepared %s: %d documents, %d sentences, %d tokens%s in %.1f s (%.2f MB/s of text)", out,
                 stats["num_documents"], stats["num_sentences"], stats["num_tokens"],
                 f", {num_instances} static instances" if num_instances is not None else "", seconds,

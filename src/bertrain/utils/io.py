@@ -52,6 +52,21 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Non
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
 
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move the complete folder `src` to `dst` (same filesystem). An existing `dst` is replaced only after it has
+    been moved aside, so a crash leaves one of the two complete folders in place, never neither."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Build a folder under a temporary name and move it to `path` only when the block succeeds.
@@ -67,16 +82,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     try:
         yield tmp
         _fsync_dir(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
