@@ -80,8 +80,11 @@ def load_tokenizer(vocab_file: str | os.PathLike, do_lower_case: bool = True) ->
     return _wordpiece({t: i for i, t in enumerate(read_vocab(vocab_file))}, do_lower_case)
 
 
+_MAX_WORD_CHARS = 200  # longer words are [UNK], as in google-research/bert
+
+
 def _wordpiece(vocab: dict[str, int], do_lower_case: bool) -> Tokenizer:
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=200))  # as google-research/bert
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=_MAX_WORD_CHARS))
     return _bert_pipeline(tok, do_lower_case)
 
 
@@ -141,12 +144,13 @@ class FastBertEncoder:
     encoded pieces is bounded by `max_cache` entries (cleared when full), so memory stays flat on any corpus.
     """
 
-    def __init__(self, tokenizer: Tokenizer, do_lower_case: bool, max_cache: int = 400_000,
+    def __init__(self, tokenizer: Tokenizer | None, do_lower_case: bool, max_cache: int = 400_000,
                  vocab: dict[str, int] | None = None):
-        self.tokenizer = tokenizer
+        """`tokenizer` None: built from `vocab` when first needed (only non-ASCII words need it)."""
+        self._tokenizer = tokenizer
         self.lower = do_lower_case
         self.vocab = vocab if vocab is not None else tokenizer.get_vocab()  # get_vocab() takes ~10 ms for 30k
-        self.max_chars = getattr(tokenizer.model, "max_input_chars_per_word", 100)
+        self.max_chars = getattr(tokenizer.model, "max_input_chars_per_word", 100) if tokenizer else _MAX_WORD_CHARS
         self.max_cache = max_cache
         self.longest: int | None = None  # longest vocab entry, for `_greedy_wordpiece` (computed when first needed)
         self.cache: dict[str, tuple[int, ...]] = {"\n": _SEP}  # piece -> ids ("\n": a separator, see _fill_words)
@@ -158,9 +162,15 @@ class FastBertEncoder:
 
     @classmethod
     def from_vocab_file(cls, vocab_file: str | os.PathLike, do_lower_case: bool) -> "FastBertEncoder":
-        """The encoder of `load_tokenizer(vocab_file, do_lower_case)`, reading the file once."""
-        vocab = {t: i for i, t in enumerate(read_vocab(vocab_file))}
-        return cls(_wordpiece(vocab, do_lower_case), do_lower_case, vocab=vocab)
+        """The encoder of `load_tokenizer(vocab_file, do_lower_case)`, reading the file once. The HF tokenizer is
+        built only if a non-ASCII word turns up (in `prepare`'s workers, after forking: ~10 ms less start-up)."""
+        return cls(None, do_lower_case, vocab={t: i for i, t in enumerate(read_vocab(vocab_file))})
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = _wordpiece(self.vocab, self.lower)
+        return self._tokenizer
 
     def _reset_words(self) -> None:
         self.words.clear()
@@ -188,8 +198,9 @@ class FastBertEncoder:
                 cache[w] = _greedy_wordpiece(w.lower() if lower else w, vocab, max_chars, unk, self.longest)
             else:
                 words.append(w)
-        for w, enc in zip(words, self.tokenizer.encode_batch_fast(words, add_special_tokens=False)):
-            cache[w] = tuple(enc.ids)
+        if words:
+            for w, enc in zip(words, self.tokenizer.encode_batch_fast(words, add_special_tokens=False)):
+                cache[w] = tuple(enc.ids)
 
     def _fill_words(self, words: list[str]) -> None:
         """Encode new words (no spaces or newlines in them) into `self.words`, all at once: one regex pass over the
