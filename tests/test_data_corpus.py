@@ -226,3 +226,19 @@ def test_text_documents_block_reader_equals_line_by_line(tmp_path, monkeypatch, 
         expected = list(_documents_line_by_line(path, SkipReport()))
         got = [d.text for d in corpus._read_text(str(path), "text", SkipReport())]
         assert got == expected, repr(data[:200])
+
+
+def test_iter_documents_batching_changes_nothing(tmp_path):
+    """`iter_documents` cleans in batches: documents, skip counts and the document count are those of cleaning one
+    document at a time (batch_chars=1), across kinds and with short documents and duplicates in the mix."""
+    (tmp_path / "a.txt").write_text("Short.\n\nA longer document here. It has two sentences.\n\n" * 3 +
+                                    "Another one, long enough to keep.\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "Json doc number one is here."}\n{"text": "x"}\n')
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "builtin:python-docs"]
+    results = []
+    for batch_chars in (1, 1 << 18):
+        report = SkipReport()
+        docs = list(iter_documents(inputs, CorpusOptions(dedupe=True), report, batch_chars=batch_chars))
+        results.append(([(d.sentences, d.source) for d in docs], report.to_dict(), report.documents))
+    assert results[0] == results[1]
+    assert results[0][2] > 50 and "duplicate_documents" in str(results[0][1]) and "short_documents" in str(results[0][1])

@@ -448,9 +448,22 @@ def iter_raw_documents(inputs: list[str], opts: CorpusOptions, report: SkipRepor
             yield from _read_text(path, fmt, report)
 
 
-def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport) -> Iterator[Document]:
-    """Read, clean and split in this process (for `bertrain vocab`; `prepare` cleans in worker processes)."""
+def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport,
+                   batch_chars: int = 1 << 18) -> Iterator[Document]:
+    """Read, clean and split in this process (for `bertrain vocab`; `prepare` cleans in worker processes).
+    Documents are cleaned in batches of ~`batch_chars` of one kind (`clean_documents`: same result, faster)."""
     seen: set[bytes] | None = set() if opts.dedupe else None
+    batch: list[RawDocument] = []
+    size = 0
+
+    def flush() -> Iterator[Document]:
+        for raw, sentences in zip(batch, clean_documents([r.text for r in batch], batch[0].kind)):
+            if sum(map(len, sentences)) < max(1, opts.min_document_chars):
+                report.add(raw.source.split("#")[0], "short_documents")
+                continue
+            report.documents += 1
+            yield Document(sentences, raw.source)
+
     for raw in iter_raw_documents(inputs, opts, report):
         if seen is not None:
             h = doc_hash(raw.text)
@@ -458,12 +471,13 @@ def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport) -
                 report.add(raw.source.split("#")[0], "duplicate_documents")
                 continue
             seen.add(h)
-        sentences = clean_document(raw.text, raw.kind)
-        if sum(map(len, sentences)) < max(1, opts.min_document_chars):
-            report.add(raw.source.split("#")[0], "short_documents")
-            continue
-        report.documents += 1
-        yield Document(sentences, raw.source)
+        if batch and (raw.kind != batch[0].kind or size >= batch_chars):
+            yield from flush()
+            batch, size = [], 0
+        batch.append(raw)
+        size += len(raw.text)
+    if batch:
+        yield from flush()
 
 
 def doc_hash(text: str) -> bytes:
