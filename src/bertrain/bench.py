@@ -14,16 +14,19 @@ Method (the same in `bertrain bench`, `benchmarks/*.py` and BENCHMARKS.md):
   forward): `flop_formula()` states it. Padding, and the MLM head on unmasked tokens, are not useful work, so a side
   that computes them is slower at the same FLOP count.
 * **MFU** = achieved FLOP/s / the peak of one big GEMM at the same dtype, measured on the same device in the same run.
-* **Memory**: CUDA `max_memory_allocated` during one step minus what was allocated before it; on CPU the peak RSS
-  (sampled every 2 ms from /proc/self/statm by a thread, in an extra untimed step) minus the RSS before it.
+* **Memory**: CUDA `max_memory_allocated` during one step minus what was allocated before it; on CPU the peak of
+  malloc's allocated bytes (glibc `mallinfo2`; RSS from /proc/self/statm where it is missing), sampled every 2 ms by
+  a thread in an extra untimed step, minus the value before it.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
                                  BertForSequenceClassification)
 
@@ -67,6 +71,7 @@ class BenchOptions:
                                         # tensor on CUDA, per-tensor on CPU); False: per-tensor loops
     checkpointing: bool = False
     jagged_attention: bool = False      # unpadded runs: attention on nested (jagged) tensors
+    keep_freed_memory: bool = False     # CPU: the trainer's malloc setting (utils/memory.py), for both sides
 
     def __post_init__(self) -> None:
         if self.mode not in (*MODES, "all"):
@@ -205,11 +210,39 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _RssSampler:
-    """Peak RSS of this process while the context is open (a 2 ms sampling thread)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __enter__(self) -> "_RssSampler":
-        self.base = self.peak = _rss_bytes()
+
+def _heap_reader() -> Callable[[], int] | None:
+    """Bytes malloc has handed out and not got back (glibc >= 2.33 `mallinfo2`: in-use heap + mmapped blocks), or
+    None. Unlike RSS this does not depend on whether freed memory goes back to the kernel (the trainer keeps it:
+    utils/memory.py), so it measures what a step allocates, like CUDA's max_memory_allocated."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def read() -> int:
+        info = fn()
+        return int(info.uordblks + info.hblkhd)
+    return read
+
+
+_HEAP = _heap_reader() if sys.platform.startswith("linux") else None
+
+
+class _MemorySampler:
+    """Peak allocated memory (or, without mallinfo2, RSS) of this process while the context is open (a 2 ms
+    sampling thread)."""
+
+    def __init__(self, read: Callable[[], int]):
+        self.read = read
+
+    def __enter__(self) -> "_MemorySampler":
+        self.base = self.peak = self.read()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -217,12 +250,12 @@ class _RssSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, self.read())
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, self.read())
 
 
 def peak_step_memory(step: Callable[[], None], device: torch.device) -> int:
@@ -234,9 +267,10 @@ def peak_step_memory(step: Callable[[], None], device: torch.device) -> int:
         step()
         _sync(device)
         return torch.cuda.max_memory_allocated(device) - before
-    if not os.path.exists("/proc/self/statm"):
+    read = _HEAP or (_rss_bytes if os.path.exists("/proc/self/statm") else None)
+    if read is None:
         return -1
-    with _RssSampler() as s:
+    with _MemorySampler(read) as s:
         step()
     return s.peak - s.base
 
@@ -522,6 +556,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     device = torch.device(opts.device)
+    if device.type == "cpu" and opts.keep_freed_memory:  # what the trainer does (train/distributed.py); a process
+        keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)  # setting, so for both sides
     dtype = DTYPES[opts.precision] or torch.float32
     if opts.precision == "tf32" and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jagged-attention", action="store_true",
                         help="ours (unpadded runs): attention on nested/jagged tensors, no padding at all (flash "
                              "varlen on CUDA; slower on CPU)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="CPU: keep freed memory in the process, as `bertrain pretrain`/`finetune` do "
+                             "(utils/memory.py); a process setting, so it applies to both sides of --compare")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
 
 
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                         min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,
                         masked_head=args.masked_head, fused_qkv=args.fused_qkv, foreach=args.foreach,
-                        checkpointing=args.checkpointing, jagged_attention=args.jagged_attention)
+                        checkpointing=args.checkpointing, jagged_attention=args.jagged_attention,
+                        keep_freed_memory=args.keep_freed_memory)
     if opts.steps is not None and opts.steps < 1:
         raise ValueError("--steps must be >= 1")
     result = run_bench(opts)

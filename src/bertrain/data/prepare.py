@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipR
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
 from bertrain.utils.io import _fsync_dir, atomic_write_json, replace_dir
+from bertrain.utils.memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -196,34 +196,15 @@ def _static_rows(task: tuple[int, int, int, str, tuple[str, dict, str]]) -> int:
     return len(rows)
 
 
-def _tune_worker_malloc() -> None:
-    """Keep freed memory in the worker's heap instead of handing it back to the kernel after every task.
-
-    With glibc's defaults, a forked worker returned its multi-MB numpy temporaries to the kernel (munmap or heap
-    trim) after each task and page-faulted them back in for the next: ~230k minor faults and ~0.4 CPU s of system
-    time per 8.8 MB of text with 2 workers, where one process had ~26k. Fixed thresholds (which also turn off
-    glibc's dynamic threshold) let the heap reuse those pages. Only in pool workers, never in the caller's process;
-    a no-op where mallopt is unavailable (non-glibc)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, _WORKER_MMAP_THRESHOLD)
-    mallopt(M_TRIM_THRESHOLD, _WORKER_TRIM_THRESHOLD)
-
-
+# Pool workers keep freed memory (numpy temporaries of every task) instead of returning it to the kernel after each
+# task and page-faulting it back in for the next: ~230k minor faults and ~0.4 CPU s of system time per 8.8 MB of
+# text with 2 workers, where one process had ~26k. Only in pool workers, never in the caller's process.
 _WORKER_MMAP_THRESHOLD = 64 << 20
 _WORKER_TRIM_THRESHOLD = 128 << 20
 
 
 def _start_worker(initializer, initargs) -> None:
-    _tune_worker_malloc()
+    keep_freed_memory(_WORKER_MMAP_THRESHOLD, _WORKER_TRIM_THRESHOLD)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if initializer is not None:
         initializer(*initargs)

@@ -25,6 +25,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from bertrain.train.config import DistributedConfig
+from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
                                       timeout=datetime.timedelta(seconds=cfg.timeout_s))
     elif torch_dist.is_initialized():
         backend = torch_dist.get_backend()
+    if device.type == "cpu":  # CPU steps re-allocate the same big buffers: keep them (see utils/memory.py)
+        keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)
     return DistInfo(rank, world, local, device, rank == 0, backend)
 
 
