@@ -64,6 +64,15 @@ def test_sentence_with_newline_and_tiny_cache():
     assert_same(TINY_VOCAB, True, sents, max_cache=5)  # the cache is cleared again and again
 
 
+def test_word_cache_cleared_while_a_text_still_needs_its_words():
+    """A text with cached words and more new words than the cache holds: making room must not lose the cached ones."""
+    tok = load_tokenizer(TINY_VOCAB, True)
+    enc = FastBertEncoder(tok, True, max_cache=10)
+    for text in ("the cat sat", "the cat sat on a mat with many other new words here"):  # one call each
+        ids, _ = enc.encode_sentences([text])
+        assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids
+
+
 @lru_cache(maxsize=None)
 def corpus_sentences(path: str) -> list[str]:
     return [s for d in iter_documents([path], CorpusOptions(), SkipReport()) for s in d.sentences]

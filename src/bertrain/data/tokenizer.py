@@ -202,10 +202,11 @@ class FastBertEncoder:
             for w, enc in zip(words, self.tokenizer.encode_batch_fast(words, add_special_tokens=False)):
                 cache[w] = tuple(enc.ids)
 
-    def _fill_words(self, words: list[str]) -> None:
+    def _fill_words(self, words: list[str]) -> dict[str, bytes]:
         """Encode new words (no spaces or newlines in them) into `self.words`, all at once: one regex pass over the
         words joined by newlines, one flatten, then each word's slice of the packed ids (a cold first chunk has
-        ~25k new words per MB, so per-word regex and numpy calls were most of its cost)."""
+        ~25k new words per MB, so per-word regex and numpy calls were most of its cost). Returns them (the cache
+        may have been cleared to make room, dropping words the caller already looked up)."""
         if len(self.words) + len(words) > self.max_cache:
             self._reset_words()
         pieces = _PIECE.findall("\n".join(words))  # "\n" pieces separate the words
@@ -214,10 +215,13 @@ class FastBertEncoder:
         flat = np.fromiter(chain.from_iterable(map(cache.__getitem__, pieces)), np.int32)
         ends = np.flatnonzero(flat == -1).tolist() + [len(flat)]
         packed = flat.tobytes()
+        new = {}
         start = 0
         for w, end in zip(words, ends):
-            self.words[w] = packed[4 * start: 4 * end]
+            new[w] = packed[4 * start: 4 * end]
             start = end + 1
+        self.words.update(new)
+        return new
 
     def encode_sentences(self, sentences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(concatenated ids int64, ids per sentence int64) for `sentences`."""
@@ -242,8 +246,8 @@ class FastBertEncoder:
         try:
             data = b"".join(found)
         except TypeError:  # some words are new (None): encode them, then join
-            self._fill_words(list(set(compress(words, map(is_, found, repeat(None))))))
-            data = b"".join(map(self.words.__getitem__, words))
+            new = self._fill_words(list(set(compress(words, map(is_, found, repeat(None))))))
+            data = b"".join(map(new.get, words, found))  # the new word's ids, else what was found
         flat = np.frombuffer(data, np.int32).astype(np.int64)
         seps = np.flatnonzero(flat < 0)
         bounds = np.concatenate(([-1], seps, [len(flat)]))
