@@ -563,9 +563,8 @@ def clean_documents(texts: list[str], kind: str) -> list[list[str]]:
         texts = [strip_wiki_markup(t) for t in texts]
     if len(texts) > 1:
         joined = _DOC_SEP.join(texts)
-        if joined.count("\x00") != len(texts) - 1:
-            return [_clean_joined(t, kind, 1)[0] for t in texts]
-        return _clean_joined(joined, kind, len(texts))
+        if joined.count("\x00") == len(texts) - 1:  # else some document holds a NUL itself: one by one
+            return _clean_joined(joined, kind, len(texts))
     return [_clean_joined(t, kind, 1)[0] for t in texts]
 
 

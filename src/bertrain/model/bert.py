@@ -550,8 +550,8 @@ class BertModel(BertPreTrainedModel):
         positions = torch.arange(Tp, device=input_ids.device).repeat(B)  # (B*T',)
         flat = lambda t: t[:, :Tp].reshape(-1).index_select(0, indices)  # (B, T) -> (N,)
         x = self.embeddings(flat(input_ids), flat(token_type_ids), positions.index_select(0, indices))  # (N, H)
-        lengths = mask.sum(1)                                            # (B,)
-        if self.jagged_attention and bool(lengths.all()):  # (a sequence without tokens: padded attention)
+        lengths = mask.sum(1) if self.jagged_attention else None        # (B,)
+        if lengths is not None and bool(lengths.all()):  # (a sequence without tokens: padded attention)
             offsets = F.pad(lengths.cumsum(0), (1, 0))
             x = self.encoder(x, None, None, Jagged(offsets, int(lengths.max())))  # (N, H)
         else:
