@@ -1,0 +1,35 @@
+"""How a model runs (not what it computes): the speed options, applied by one plain function.
+
+Pretraining, fine-tuning and `bertrain bench` all call `apply_model_options`; every option is tested equal to the
+plain path (tests/test_fastpath.py), so switching one never changes a result beyond float rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass
+class ModelOptions:
+    unpad: bool = True
+    """Run the encoder on the real tokens only where no output depends on padding (pretraining with masked
+    positions, classification; QA keeps padding in training, as HF's loss sees it)."""
+    jagged_attention: bool = False
+    """Unpadded runs: attention on nested (jagged) tensors, no padding even inside attention (SDPA's
+    variable-length flash kernel on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md)."""
+    gradient_checkpointing: bool = False
+    """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
+
+
+def apply_model_options(model: nn.Module, options: ModelOptions) -> nn.Module:
+    """Switch `model`'s speed options in place (any bertrain model: the encoder or a model with a head)."""
+    encoder = getattr(model, "bert", model)
+    encoder.unpad = options.unpad
+    encoder.jagged_attention = options.jagged_attention
+    encoder.gradient_checkpointing = options.gradient_checkpointing
+    if options.compile:
+        encoder.compile_layers()
+    return model
