@@ -45,6 +45,6 @@ def test_readme_command_parses(argv: list[str]) -> None:
     args = build_parser(argv).parse_args(argv)
     assert args.command == argv[0]
     if argv[0] == "pretrain":
-        from bertrain.train.config import PretrainConfig
+        from bertrain.tasks.pretraining import PretrainConfig
         cfg = load_config(PretrainConfig, README.parent / args.config, overrides_from_args(args))
         assert cfg.train.steps > 0

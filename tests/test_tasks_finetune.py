@@ -16,7 +16,7 @@ from conftest import ASSETS, shared_file
 from distributed import launch_cli, spawn
 
 from bertrain.cli import main
-from bertrain.tasks.finetune import (epoch_order, merge_gathered, micro_batch_indices, shard_for_eval)
+from bertrain.tasks.evaluate import merge_gathered, shard_for_eval
 
 XQUAD = "squad/xquad-en-part1.json"
 
@@ -83,22 +83,11 @@ def write_rte_like(d: Path, n_train=24, n_dev=10, n_test=7, task_labels=("entail
     return d
 
 
-TINY = ["--train.micro_batch_size", "4", "--train.eval_batch_size", "8", "--train.log_interval", "1",
+TINY = ["--train.micro_batch_size", "4", "--eval_batch_size", "8", "--train.log_interval", "1",
         "--optim.lr", "1e-3"]
 
 
 # ----------------------------------------------------------------------------------------------- pure pieces
-
-def test_epoch_order_and_micro_batches_cover_each_step():
-    order = epoch_order(10, 4, seed=1, epoch=0)
-    assert len(order) == 12 and set(order[:10]) == set(range(10))  # padded by wrapping
-    assert not np.array_equal(order[:10], epoch_order(10, 4, seed=1, epoch=1)[:10])
-    step = order[:4]
-    # world 2 x micro 2 x accumulation 1 == world 1 x micro 2 x accumulation 2: the same examples per step
-    two_ranks = np.concatenate([micro_batch_indices(step, 0, r, 2, 2) for r in range(2)])
-    one_rank = np.concatenate([micro_batch_indices(step, m, 0, 1, 2) for m in range(2)])
-    assert sorted(two_ranks) == sorted(one_rank) == sorted(step)
-
 
 @pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (2, 4), (8, 4), (1, 1)])
 def test_merge_gathered_drops_padding_duplicates(n, world):
@@ -121,7 +110,7 @@ class _EchoModel(torch.nn.Module):
 
 
 def _gather_worker(rank: int, world: int, n: int, out_dir: str) -> None:
-    from bertrain.tasks.finetune import distributed_forward
+    from bertrain.tasks.evaluate import distributed_forward
     from bertrain.train.distributed import cleanup, init_distributed
 
     dist = init_distributed()
@@ -150,7 +139,7 @@ def test_squad_v1_end_to_end(tmp_path, tiny_model, capsys):
     rc = main(["finetune", "squad", "--train", str(data), "--dev", str(data), "--init", str(tiny_model),
                "--output", str(out), "--data.train_articles", "0:2", "--data.dev_articles", "23:24",
                "--data.max_seq_length", "128", "--data.doc_stride", "64", "--data.cache_dir", str(tmp_path / "c"),
-               "--train.max_steps", "3", *TINY])
+               "--train.steps", "3", *TINY])
     assert rc == 0
     results = json.loads((out / "eval_results.json").read_text())
     assert set(results) >= {"exact_match", "f1", "train_steps", "eval_examples"} and results["train_steps"] == 3
@@ -197,7 +186,7 @@ def test_squad_v2_end_to_end_with_unanswerable(tmp_path, tiny_model, capsys):
     out = tmp_path / "run"
     assert main(["finetune", "squad", "--version-2-with-negative", "--train", str(train), "--dev", str(dev),
                  "--init", str(tiny_model), "--output", str(out), "--data.max_seq_length", "64", "--data.max_query_length", "16",
-                 "--data.cache_dir", "", "--train.max_steps", "6", *TINY]) == 0
+                 "--data.cache_dir", "", "--train.steps", "6", *TINY]) == 0
     capsys.readouterr()
     results = json.loads((out / "eval_results.json").read_text())
     assert results["version"] == "2.0"
@@ -241,8 +230,8 @@ def test_resume_reproduces_straight_run(tmp_path, tiny_model, capsys):
     """4 steps straight == 2 steps, checkpoint, 'crash', resume auto, 2 more steps (dropout on, RNG restored)."""
     data = write_rte_like(tmp_path / "RTE", n_train=30)
     common = ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(tiny_model),
-              "--data.max_seq_length", "32", "--train.max_steps", "4", "--data.predict_test", "false",
-              "--train.do_eval", "false", *TINY]
+              "--data.max_seq_length", "32", "--train.steps", "4", "--data.predict_test", "false",
+              "--do_eval", "false", *TINY]
     assert main([*common, "--output", str(tmp_path / "straight")]) == 0
     resumed = tmp_path / "resumed"
     assert main([*common, "--output", str(resumed), "--checkpoint.save_interval", "2",
@@ -270,7 +259,7 @@ def test_distributed_finetune_two_ranks(tmp_path, tiny_model):
     data = write_rte_like(tmp_path / "RTE", n_dev=11, n_test=7)
     out = tmp_path / "run"
     res = launch_cli(2, ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(tiny_model),
-                         "--output", str(out), "--data.max_seq_length", "32", "--train.max_steps", "3", *TINY])
+                         "--output", str(out), "--data.max_seq_length", "32", "--train.steps", "3", *TINY])
     for r in res:
         assert r.returncode == 0, r.stdout[-3000:]
     results = json.loads((out / "eval_results.json").read_text())
@@ -309,7 +298,7 @@ def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, caps
         (data / name).write_bytes(b"\n".join(lines[: n + 1]) + b"\n")
     out = tmp_path / "mrpc"
     assert main(["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(minilm_path),
-                 "--output", str(out), "--data.max_seq_length", "64", "--train.max_steps", "3",
+                 "--output", str(out), "--data.max_seq_length", "64", "--train.steps", "3",
                  "--train.micro_batch_size", "16"]) == 0
     capsys.readouterr()
     res = json.loads((out / "eval_results.json").read_text())
@@ -329,8 +318,8 @@ def test_predict_command_qa(tmp_path, tiny_model, capsys, monkeypatch):
     train = _v2_fixture(tmp_path / "train.json", 2)
     out = tmp_path / "run"
     assert main(["finetune", "squad", "--train", str(train), "--init", str(tiny_model), "--output", str(out),
-                 "--data.max_seq_length", "64", "--data.max_query_length", "16", "--data.cache_dir", "", "--train.max_steps", "1",
-                 "--train.do_eval", "false", "--version-2-with-negative", *TINY]) == 0
+                 "--data.max_seq_length", "64", "--data.max_query_length", "16", "--data.cache_dir", "", "--train.steps", "1",
+                 "--do_eval", "false", "--version-2-with-negative", *TINY]) == 0
     model = out / "final"
     items = tmp_path / "in.jsonl"
     ctx = "ann sat on the mat in the house ."
@@ -386,7 +375,7 @@ def test_squad_labels_and_postprocessing_agree_tiny_overfit(tmp_path, tiny_model
     out = tmp_path / "run"
     assert main(["finetune", "squad", "--train", str(data), "--dev", str(data), "--init", str(tiny_model),
                  "--output", str(out), "--data.max_seq_length", "48", "--data.max_query_length", "16",
-                 "--data.doc_stride", "8", "--data.cache_dir", "", "--train.max_steps", "60",
+                 "--data.doc_stride", "8", "--data.cache_dir", "", "--train.steps", "60",
                  "--schedule.warmup", "0.0", *TINY]) == 0
     capsys.readouterr()
     res = json.loads((out / "eval_results.json").read_text())

@@ -57,7 +57,8 @@ def test_save_latest_keep_last_and_skip_bad(tmp_path: Path, caplog: pytest.LogCa
 def write_config(path: Path, out: Path, steps: int, save_interval: int) -> Path:
     path.write_text(json.dumps({
         "model": {"preset": "tiny", "dropout": 0.1},  # dropout on: the RNG state must be restored exactly
-        "data": {"synthetic_samples": 320, "vocab_size": 100, "max_seq_length": 64, "max_predictions_per_seq": 8},
+        "data": {"synthetic_samples": 320, "vocab_size": 100},
+        "sample": {"max_seq_length": 64, "max_predictions_per_seq": 8},
         "train": {"steps": steps, "global_batch_size": 32, "micro_batch_size": 16, "log_interval": 1},
         "optim": {"name": "lamb", "lr": 0.005},
         "schedule": {"name": "poly", "warmup": 0.1},

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from bertrain.config import load_config
-from bertrain.train.config import PretrainConfig, TrainSection, resolve_batch
+from bertrain.tasks.pretraining import PretrainConfig
+from bertrain.train.config import TrainConfig, resolve_batch
 from bertrain.train.distributed import first_slurm_host, launch_env
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -33,7 +34,7 @@ def test_recipe_values(name: str) -> None:
     preset, batch, lr, warmup, steps, seq, preds, optim, schedule = RECIPES[name]
     cfg = load_config(PretrainConfig, CONFIGS / name)
     assert (cfg.model.preset, cfg.train.global_batch_size, cfg.optim.lr, cfg.schedule.warmup, cfg.train.steps,
-            cfg.data.max_seq_length, cfg.data.max_predictions_per_seq, cfg.optim.name, cfg.schedule.name) == (
+            cfg.sample.max_seq_length, cfg.sample.max_predictions_per_seq, cfg.optim.name, cfg.schedule.name) == (
         preset, batch, lr, warmup, steps, seq, preds, optim, schedule)
     assert cfg.optim.weight_decay == 0.01 and not cfg.optim.scale_lr_with_batch
     if "phase2" in name:
@@ -48,7 +49,7 @@ def test_recipe_values(name: str) -> None:
 def test_quickstart_prepares_builtin_corpus() -> None:
     cfg = load_config(PretrainConfig, CONFIGS / "quickstart.yaml")
     assert cfg.data.input == ["builtin:python-docs"] and cfg.data.prepared is None
-    assert cfg.data.masking == "dynamic" and cfg.data.max_seq_length == 128
+    assert cfg.data.masking == "dynamic" and cfg.sample.max_seq_length == 128
     assert cfg.checkpoint.export_final and cfg.precision.mode == "fp32"
 
 
@@ -64,7 +65,7 @@ def test_quickstart_prepares_builtin_corpus() -> None:
     ({"train.steps": "0", "train.epochs": "0"}, "train.steps"),
     ({"train.steps": "ten"}, "train.steps"),
     ({"data.masked_lm_prob": "1.5"}, "data.masked_lm_prob"),
-    ({"data.max_predictions_per_seq": "200"}, "data.max_predictions_per_seq"),
+    ({"sample.max_predictions_per_seq": "200"}, "max_predictions_per_seq"),
     ({"model.dropout": "1.0"}, "model.dropout"),
     ({"checkpoint.keep_lst": "2"}, "checkpoint.keep_lst"),
     ({"distributed.backend": "mpi"}, "distributed.backend"),
@@ -86,13 +87,13 @@ def test_command_line_overrides_every_section() -> None:
 
 
 def test_batch_arithmetic() -> None:
-    t = TrainSection(steps=1, global_batch_size=256, micro_batch_size=32)
+    t = TrainConfig(steps=1, global_batch_size=256, micro_batch_size=32)
     assert [resolve_batch(t, w).accumulation for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
     with pytest.raises(ValueError, match="train.global_batch_size.*train.micro_batch_size"):
         resolve_batch(t, 3)  # 256 is not a multiple of 32 x 3
     with pytest.raises(ValueError, match="train.accumulation"):
-        resolve_batch(TrainSection(steps=1, global_batch_size=256, micro_batch_size=32, accumulation=3), 1)
-    assert resolve_batch(TrainSection(steps=1, micro_batch_size=8, accumulation=3), 2).global_batch_size == 48
+        resolve_batch(TrainConfig(steps=1, global_batch_size=256, micro_batch_size=32, accumulation=3), 1)
+    assert resolve_batch(TrainConfig(steps=1, micro_batch_size=8, accumulation=3), 2).global_batch_size == 48
 
 
 def test_launcher_environments() -> None:

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 def base_config(out: Path, **train: object) -> dict:
     return {
         "model": {"preset": "tiny", "dropout": 0.0},  # dropout would make ranks draw different masks
-        "data": {"synthetic_samples": 256, "vocab_size": 100, "max_seq_length": 32, "max_predictions_per_seq": 5},
+        "data": {"synthetic_samples": 256, "vocab_size": 100},
+        "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
         "train": {"steps": 4, "global_batch_size": 16, "micro_batch_size": 4, "log_interval": 1, **train},
         "optim": {"name": "lamb", "lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 1.0},
         "schedule": {"name": "poly", "warmup": 0.25},
@@ -29,10 +30,9 @@ def base_config(out: Path, **train: object) -> dict:
 
 def _train_worker(rank: int, world_size: int, cfg_dict: dict, resume: str | None) -> None:
     from bertrain.config import from_dict
-    from bertrain.train.config import PretrainConfig
-    from bertrain.train.pretrain import train
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
     cfg = from_dict(PretrainConfig, cfg_dict)
-    result = train(cfg, resume=resume)
+    result = run_pretraining(cfg, resume=resume)
     state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
     torch.save({"params": state, "step": result.state.step, "epoch": result.state.epoch},
                Path(cfg.output_dir) / f"rank{rank}.pt")

@@ -20,12 +20,12 @@ def test_pretrain_on_builtin_corpus_two_processes_then_phase2(tmp_path: Path) ->
               "--train.global_batch_size", "32", "--train.log_interval", "2", "--optim.name", "lamb",
               "--optim.lr", "5e-3", "--checkpoint.save_interval", "4", "--seed", "5"]
     results = launch_cli(2, ["pretrain", "--config", "configs/quickstart.yaml", "--output_dir", str(out),
-                             "--data.max_seq_length", "64", "--data.max_predictions_per_seq", "10",
+                             "--sample.max_seq_length", "64", "--sample.max_predictions_per_seq", "10",
                              "--train.steps", "8", *common], cwd=Path(__file__).resolve().parents[1])
     for r in results:
         assert r.returncode == 0, r.stdout[-4000:]
     assert (out / "vocab" / "vocab.txt").is_file() and (out / "data" / "stats.json").is_file()
-    assert "accumulation 2 x world 2" in results[0].stdout
+    assert "accumulation 2 x 2 ranks" in results[0].stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4, 6, 8]
     for key in ("loss", "mlm_acc", "nsp_acc", "lr", "grad_norm", "loss_scale", "skipped_steps", "seq_per_s",
@@ -52,7 +52,7 @@ def test_pretrain_on_builtin_corpus_two_processes_then_phase2(tmp_path: Path) ->
     out2 = tmp_path / "phase2"
     results = launch_cli(1, ["pretrain", "--config", "configs/quickstart.yaml", "--output_dir", str(out2),
                              "--model.init", str(final), "--data.vocab_file", str(out / "vocab" / "vocab.txt"),
-                             "--data.max_seq_length", "128", "--data.max_predictions_per_seq", "20",
+                             "--sample.max_seq_length", "128", "--sample.max_predictions_per_seq", "20",
                              "--train.steps", "2", *common], cwd=Path(__file__).resolve().parents[1])
     assert results[0].returncode == 0, results[0].stdout[-4000:]
     assert "initialised weights from" in results[0].stdout

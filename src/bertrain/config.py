@@ -320,3 +320,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
+
+
+def add_resume_argument(parser: argparse.ArgumentParser) -> None:
+    """`--resume auto|PATH`, spelled and behaving the same for every training command."""
+    parser.add_argument("--resume", metavar="auto|PATH", default=None,
+                        help="continue from the newest complete checkpoint in output_dir (auto; from scratch if "
+                             "there is none) or from the checkpoint folder PATH")

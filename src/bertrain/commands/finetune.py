@@ -22,11 +22,11 @@ _GLUE_FLAGS = {
 }
 _COMMON_FLAGS = {
     "--output": ("output_dir", "output folder"),
-}  # --init and --resume are config keys themselves
+}  # --init is a config key itself
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bertrain.config import add_config_arguments
+    from bertrain.config import add_config_arguments, add_resume_argument
     from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig
 
     sub = parser.add_subparsers(dest="ft_task", metavar="TASK", required=True)
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=f"fine-tune on {name.upper()}",
                            description=(cls.__doc__ or "").split("\n")[0] or None)
         p.add_argument("--config", default=None, help="YAML/JSON config file (keys as below)")
+        add_resume_argument(p)
         for flag, (key, help_) in {**flags, **_COMMON_FLAGS}.items():
             p.add_argument(flag, dest=f"short:{key}", default=None, metavar=flag.lstrip("-").upper().replace("-", "_"),
                            help=f"{help_} (= --{key})")
@@ -61,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ft_task == "squad":
         cfg = load_config(SquadFinetuneConfig, args.config, _overrides(args))
-        results = run_squad(cfg)
+        results = run_squad(cfg, resume=args.resume)
     else:
         cfg = load_config(GlueFinetuneConfig, args.config, _overrides(args))
-        results = run_glue(cfg)
+        results = run_glue(cfg, resume=args.resume)
     if results:  # only rank 0 returns results
         print(json.dumps(results, indent=2))
     return 0

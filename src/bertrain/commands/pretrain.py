@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from bertrain.config import add_config_arguments, load_config, overrides_from_args
+from bertrain.config import add_config_arguments, add_resume_argument, load_config, overrides_from_args
 
 HELP = "pretrain BERT (MLM + NSP) on one or many processes; checkpoints, resume, metrics"
 
@@ -15,18 +15,16 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bertrain.train.config import PretrainConfig
+    from bertrain.tasks.pretraining import PretrainConfig
     parser.add_argument("--config", metavar="FILE", help="YAML/JSON recipe (e.g. configs/quickstart.yaml)")
-    parser.add_argument("--resume", metavar="auto|PATH", default=None,
-                        help="continue from the newest complete checkpoint in output_dir (auto) or from PATH")
+    add_resume_argument(parser)
     add_config_arguments(parser, PretrainConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.train.config import PretrainConfig
-    from bertrain.train.pretrain import train
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
     cfg = load_config(PretrainConfig, args.config, overrides_from_args(args))
-    result = train(cfg, resume=args.resume)
+    result = run_pretraining(cfg, resume=args.resume)
     if result.stopped_by_signal:
         log.warning("stopped by a signal at step %d; continue with --resume auto", result.state.step)
     return 0

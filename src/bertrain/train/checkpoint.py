@@ -86,6 +86,17 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_s
     return target
 
 
+def export_final(output_dir: str | Path, model: nn.Module, extra_json: dict[str, Any] | None = None) -> Path:
+    """Rank 0: the final model in HF format (plus small JSON files such as task.json) in OUTPUT/final, atomically."""
+    final = Path(output_dir) / "final"
+    with atomic_dir(final, overwrite=True) as tmp:
+        save_model(model, tmp)
+        for name, data in (extra_json or {}).items():
+            atomic_write_json(tmp / name, data)
+    log.info("exported the final model in HF format to %s", final)
+    return final
+
+
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """All `step-N` folders (complete or not), oldest first."""
     out = []
@@ -156,6 +167,14 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def seed_rank_rng(seed: int, rank: int, step: int) -> None:
+    """Seed every RNG of this rank (dropout) as a function of (seed, rank, step): ranks differ, runs repeat."""
+    s = (seed * 1_000_003 + rank * 7919 + step) % (2**31)
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Configs of the training engine (shared by pretraining and fine-tuning) and of `bertrain pretrain`.
+"""Configs of the training engine, shared by pretraining (`tasks/pretraining.py`) and fine-tuning (`tasks/finetune.py`).
 
 Each field has a one-line docstring right under it: `bertrain.config.add_config_arguments` turns it into the
 `--section.key` help text. `__post_init__` rejects bad values with a `ValueError` naming the key; checks that need
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
+
+from bertrain.model.options import ModelOptions
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -170,121 +172,10 @@ class CheckpointConfig:
         ])
 
 
-# ----------------------------------------------------------------------------------------------- pretraining
+# ----------------------------------------------------------------------------------------------- the run
 
 @dataclass
-class ModelSection:
-    preset: str = "tiny"
-    """Model preset (tiny, mini, small, medium, base, large) or the path of an HF/Google config.json."""
-    init: Optional[str] = None
-    """Initialise the weights from this checkpoint or HF folder (weights only: phase 2 starts from phase 1)."""
-    dropout: Optional[float] = None
-    """Override both hidden and attention dropout probabilities (e.g. 0 for exact equivalence tests)."""
-    max_position_embeddings: Optional[int] = None
-    """Override the preset's max_position_embeddings."""
-    num_hidden_layers: Optional[int] = None
-    """Override the preset's number of layers."""
-    hidden_size: Optional[int] = None
-    """Override the preset's hidden size."""
-    num_attention_heads: Optional[int] = None
-    """Override the preset's number of attention heads."""
-    intermediate_size: Optional[int] = None
-    """Override the preset's feed-forward size."""
-    gradient_checkpointing: bool = False
-    """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
-    compile: bool = False
-    """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
-    jagged_attention: bool = False
-    """Attention on nested (jagged) tensors: no padding even inside attention (SDPA's variable-length flash kernel
-    on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md); measure with `bertrain bench
-    --jagged-attention` on your GPU. Works with `compile` (equal to eager on CPU)."""
-
-    def architecture_overrides(self) -> dict:
-        """The BertConfig fields this section overrides."""
-        keys = ("max_position_embeddings", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                "intermediate_size")
-        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        if self.dropout is not None:
-            out.update(hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout)
-        return out
-
-    def __post_init__(self) -> None:
-        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
-            if getattr(self, k) is not None:
-                _positive(f"model.{k}", getattr(self, k))
-        if not self.preset:
-            raise ValueError("config key 'model.preset' must name a preset or a config.json path")
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"config key 'model.dropout' must be in [0, 1), got {self.dropout}")
-        if self.max_position_embeddings is not None:
-            _positive("model.max_position_embeddings", self.max_position_embeddings)
-
-
-@dataclass
-class DataSection:
-    prepared: Optional[str] = None
-    """A prepared dataset folder (`bertrain prepare`); if absent and `input` is set, it is prepared on the fly."""
-    input: list[str] = field(default_factory=list)
-    """Raw corpus inputs (files, globs, or builtin:python-docs) prepared into OUTPUT/data when `prepared` is unset."""
-    vocab_file: Optional[str] = None
-    """WordPiece vocab.txt; with raw `input` and no vocab file a vocab is trained into OUTPUT/vocab/vocab.txt."""
-    vocab_size: int = 8192
-    """Size of the vocabulary trained on the fly (only without vocab_file)."""
-    do_lower_case: bool = True
-    """Lower-case and strip accents (uncased BERT)."""
-    max_seq_length: int = 128
-    """Tokens per sample including [CLS] and [SEP]s (128 phase 1, 512 phase 2)."""
-    max_predictions_per_seq: int = 20
-    """Masked positions per sample (20 phase 1, 80 phase 2)."""
-    masked_lm_prob: float = 0.15
-    """Fraction of tokens masked."""
-    short_seq_prob: float = 0.1
-    """Probability of a shorter target length (google-research/bert)."""
-    masking: Literal["dynamic", "static"] = "dynamic"
-    """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
-    next_sentence: bool = True
-    """NSP sentence pairs; false = MLM-only packing of full sentences (no NSP loss)."""
-    whole_word_masking: bool = False
-    """Mask whole words (all WordPieces of a word together)."""
-    dupe_factor: int = 5
-    """static masking: copies of the corpus with different masks."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
-    synthetic_samples: int = 0
-    """Use this many random synthetic samples instead of a dataset (engine tests and throughput checks); 0 = off."""
-    uneven_last_rank: int = 0
-    """synthetic only: the last rank gets this many micro-batches fewer per epoch (tests that uneven data never hangs)."""
-
-    def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("data.max_seq_length", self.max_seq_length),
-            lambda: _positive("data.max_predictions_per_seq", self.max_predictions_per_seq),
-            lambda: _positive("data.vocab_size", self.vocab_size),
-            lambda: _positive("data.num_workers", self.num_workers, allow_zero=True),
-            lambda: _positive("data.synthetic_samples", self.synthetic_samples, allow_zero=True),
-            lambda: _positive("data.uneven_last_rank", self.uneven_last_rank, allow_zero=True),
-            lambda: _positive("data.dupe_factor", self.dupe_factor),
-            self._check_probs,
-        ])
-
-    def _check_probs(self) -> None:
-        if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"config key 'data.masked_lm_prob' must be in (0, 1), got {self.masked_lm_prob}")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"config key 'data.short_seq_prob' must be in [0, 1], got {self.short_seq_prob}")
-
-    @property
-    def source(self) -> str:
-        """Where samples come from: synthetic, prepared, or raw (prepare on the fly)."""
-        if self.synthetic_samples:
-            return "synthetic"
-        if self.prepared:
-            return "prepared"
-        return "raw"
-
-
-@dataclass
-class TrainSection:
+class TrainConfig:
     steps: int = 0
     """Optimizer steps to run (0: derive from `epochs`)."""
     epochs: float = 0.0
@@ -325,7 +216,7 @@ class BatchPlan:
     world_size: int
 
 
-def resolve_batch(train: TrainSection, world_size: int) -> BatchPlan:
+def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
     """Derive accumulation (or the global batch) for this world size; inconsistent values raise naming the keys.
 
     Keeping the global batch fixed and deriving accumulation is what makes a change of world size a launcher
@@ -348,34 +239,31 @@ def resolve_batch(train: TrainSection, world_size: int) -> BatchPlan:
     return BatchPlan(glob, micro, acc, world_size)
 
 
+
+
 @dataclass
-class PretrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    """Model architecture and initial weights."""
-    data: DataSection = field(default_factory=DataSection)
-    """Pretraining data."""
-    train: TrainSection = field(default_factory=TrainSection)
+class TrainerConfig:
+    """The sections every training run has (pretraining and fine-tuning configs extend it)."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
     """Steps, batch sizes, logging."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer."""
+    """Optimizer (lamb | nvlamb | adamw | radam)."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Learning-rate schedule."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Numeric precision."""
+    """Numeric precision (fp32 | tf32 | bf16 | fp16)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Process group and device."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint folders."""
+    model_options: ModelOptions = field(default_factory=ModelOptions)
+    """How the model runs: unpadding, jagged attention, gradient checkpointing, compile (same results)."""
     seed: int = 12345
-    """Seed of model initialisation, data order and masking."""
-    output_dir: str = "runs/pretrain"
-    """Folder for checkpoints (step-N), metrics.jsonl, the plot, the resolved config and the final export."""
+    """Seed of the model initialisation, data order, masking and dropout."""
+    output_dir: str = ""
+    """Folder for checkpoints (step-N), metrics.jsonl, the resolved config and the final export."""
 
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ValueError("config key 'output_dir' must not be empty")
-        if self.data.source == "raw" and not self.data.input:
-            raise ValueError("config keys 'data.prepared', 'data.input' and 'data.synthetic_samples' are all empty: "
-                             "give a prepared folder, raw input files, or synthetic samples")
-        if self.data.max_predictions_per_seq > self.data.max_seq_length:
-            raise ValueError("config key 'data.max_predictions_per_seq' must not exceed 'data.max_seq_length'")

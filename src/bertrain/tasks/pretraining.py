@@ -1,0 +1,317 @@
+"""Pretraining (MLM + NSP) as a task of the training engine: its config, data, model and loss.
+
+`run_pretraining(cfg, resume)` is `bertrain pretrain`: the data (a prepared folder, raw text prepared on the fly,
+or synthetic samples), a `BertForPreTraining` (a preset, a config.json, or weights from `model.init`), and the
+loss sums of `bertrain.model.losses`; everything else is `bertrain.train.trainer.Trainer`.
+
+With `data.input` and no `data.prepared`, rank 0 trains a WordPiece vocabulary (unless `data.vocab_file` is
+given) into OUTPUT/vocab/ and prepares the corpus into OUTPUT/data/ — each only if not already there, so a re-run
+or a resume reuses them — while the other ranks wait. The tokenizer identity of the data is checked against the
+vocab the model is built with: a mismatch is an error, not a garbage run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+
+from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
+from bertrain.data.samples import SampleConfig
+from bertrain.data.synthetic import SyntheticPretrainingLoader
+from bertrain.data.tokenizer import read_vocab, train_vocab
+from bertrain.model.bert import BertConfig, BertForPreTraining
+from bertrain.model.hf import tokenizer_files_from_vocab
+from bertrain.model.losses import pretraining_loss_sums
+from bertrain.train import checkpoint as ckpt
+from bertrain.train.config import BatchPlan, TrainerConfig, _check_all, _positive
+from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.metrics import plot_metrics
+from bertrain.train.trainer import RunResult, Trainer
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Model preset (tiny, mini, small, medium, base, large) or the path of an HF/Google config.json."""
+    init: Optional[str] = None
+    """Initialise the weights from this checkpoint or HF folder (weights only: phase 2 starts from phase 1)."""
+    dropout: Optional[float] = None
+    """Override both hidden and attention dropout probabilities (e.g. 0 for exact equivalence tests)."""
+    max_position_embeddings: Optional[int] = None
+    """Override the preset's max_position_embeddings."""
+    num_hidden_layers: Optional[int] = None
+    """Override the preset's number of layers."""
+    hidden_size: Optional[int] = None
+    """Override the preset's hidden size."""
+    num_attention_heads: Optional[int] = None
+    """Override the preset's number of attention heads."""
+    intermediate_size: Optional[int] = None
+    """Override the preset's feed-forward size."""
+
+    def architecture_overrides(self) -> dict:
+        """The BertConfig fields this section overrides."""
+        keys = ("max_position_embeddings", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                "intermediate_size")
+        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if self.dropout is not None:
+            out.update(hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout)
+        return out
+
+    def __post_init__(self) -> None:
+        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings"):
+            if getattr(self, k) is not None:
+                _positive(f"model.{k}", getattr(self, k))
+        if not self.preset:
+            raise ValueError("config key 'model.preset' must name a preset or a config.json path")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"config key 'model.dropout' must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataConfig:
+    prepared: Optional[str] = None
+    """A prepared dataset folder (`bertrain prepare`); if absent and `input` is set, it is prepared on the fly."""
+    input: list[str] = field(default_factory=list)
+    """Raw corpus inputs (files, globs, or builtin:python-docs) prepared into OUTPUT/data when `prepared` is unset."""
+    vocab_file: Optional[str] = None
+    """WordPiece vocab.txt; with raw `input` and no vocab file a vocab is trained into OUTPUT/vocab/vocab.txt."""
+    vocab_size: int = 8192
+    """Size of the vocabulary trained on the fly (only without vocab_file), or of synthetic samples' ids."""
+    do_lower_case: bool = True
+    """Lower-case and strip accents (uncased BERT)."""
+    masking: Literal["dynamic", "static"] = "dynamic"
+    """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
+    dupe_factor: int = 5
+    """static masking: copies of the corpus with different masks."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    synthetic_samples: int = 0
+    """Use this many random synthetic samples instead of a dataset (engine tests and throughput checks); 0 = off."""
+    uneven_last_rank: int = 0
+    """synthetic only: the last rank gets this many micro-batches fewer per epoch (tests that uneven data never hangs)."""
+
+    def __post_init__(self) -> None:
+        _check_all([
+            lambda: _positive("data.vocab_size", self.vocab_size),
+            lambda: _positive("data.num_workers", self.num_workers, allow_zero=True),
+            lambda: _positive("data.synthetic_samples", self.synthetic_samples, allow_zero=True),
+            lambda: _positive("data.uneven_last_rank", self.uneven_last_rank, allow_zero=True),
+            lambda: _positive("data.dupe_factor", self.dupe_factor),
+        ])
+
+    @property
+    def source(self) -> str:
+        """Where samples come from: synthetic, prepared, or raw (prepare on the fly)."""
+        if self.synthetic_samples:
+            return "synthetic"
+        if self.prepared:
+            return "prepared"
+        return "raw"
+
+
+@dataclass
+class PretrainConfig(TrainerConfig):
+    """`bertrain pretrain`: model, data and sample settings plus the engine's sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture and initial weights."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where samples come from."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """What a sample is: length, masking, NSP."""
+    output_dir: str = "runs/pretrain"
+    """Folder for checkpoints (step-N), metrics.jsonl, the plot, the resolved config and the final export."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.data.source == "raw" and not self.data.input:
+            raise ValueError("config keys 'data.prepared', 'data.input' and 'data.synthetic_samples' are all empty: "
+                             "give a prepared folder, raw input files, or synthetic samples")
+
+
+# ----------------------------------------------------------------------------------------------- the task
+
+class PretrainingTask:
+    """MLM + NSP on `BertForPreTraining`; the MLM loss runs only on the masked positions."""
+
+    name = "pretrain"
+    loss_groups = ("mlm", "nsp")
+
+    def __init__(self, cfg: PretrainConfig) -> None:
+        self.cfg = cfg
+        self.vocab_size = cfg.data.vocab_size
+        self.tokenizer_files: dict[str, bytes] | None = None
+
+    def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Any:
+        """This rank's loader: synthetic, a prepared folder, or raw input prepared on the fly."""
+        cfg, d = self.cfg, self.cfg.data
+        if d.source == "synthetic":
+            return SyntheticPretrainingLoader(d.synthetic_samples, plan.micro_batch_size, dist.rank,
+                                              dist.world_size, cfg.seed, cfg.sample, d.vocab_size,
+                                              d.uneven_last_rank)
+        data_dir, vocab_file = self._data_folder(dist)
+        ds = PretrainingDataset(data_dir, cfg.sample, d.masking, cfg.seed)
+        ds.check_tokenizer(vocab_file, d.do_lower_case)
+        self.vocab_size = len(read_vocab(vocab_file))
+        self.tokenizer_files = tokenizer_files_from_vocab(vocab_file, d.do_lower_case)
+        log.info("data %s: %d samples per epoch, vocab %s (%d tokens)", data_dir, len(ds), vocab_file,
+                 self.vocab_size)
+        return PretrainingLoader(ds, plan.micro_batch_size, dist.rank, dist.world_size, seed=cfg.seed,
+                                 num_workers=d.num_workers)
+
+    def _data_folder(self, dist: DistInfo) -> tuple[Path, Path]:
+        """(prepared folder, vocab file); raw input is prepared by rank 0 while the others wait."""
+        d, out = self.cfg.data, Path(self.cfg.output_dir)
+        if d.source == "raw":
+            error = None
+            if dist.is_main:
+                try:
+                    prepare_on_the_fly(self.cfg)
+                except BaseException as e:  # let the other ranks leave the barrier before re-raising
+                    error = e
+            barrier()
+            if not broadcast_object(error is None):
+                if error is not None:
+                    raise error
+                raise RuntimeError("rank 0 failed to prepare the data (see its log)")
+            return out / "data", Path(d.vocab_file) if d.vocab_file else out / "vocab" / "vocab.txt"
+        data_dir = Path(d.prepared)
+        if not data_dir.is_dir():
+            raise ValueError(f"config key 'data.prepared': {data_dir} is not a folder")
+        vocab_file = Path(d.vocab_file) if d.vocab_file else data_dir / "vocab.txt"
+        if not vocab_file.is_file():
+            raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist (give the vocab the data "
+                             "was prepared with)")
+        return data_dir, vocab_file
+
+    def build_model(self) -> nn.Module:
+        return build_model(self.cfg, self.vocab_size, self.tokenizer_files)
+
+    def target_counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        return [int((batch["masked_labels"] != -100).sum()), int((batch["next_sentence_labels"] != -100).sum())]
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                    attention_mask=batch["attention_mask"], masked_positions=batch["masked_positions"])
+        return pretraining_loss_sums(out.prediction_logits, out.seq_relationship_logits, batch["masked_labels"],
+                                     batch["next_sentence_labels"])
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, Any]:
+        nsp = sums["nsp_count"]
+        return {"mlm_acc": sums["mlm_correct"] / max(sums["mlm_count"], 1),
+                "nsp_acc": sums["nsp_correct"] / nsp if nsp else None}
+
+
+def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
+    """(data dir, vocab file) under the output folder, building what is missing (call on rank 0 only)."""
+    d, out = cfg.data, Path(cfg.output_dir)
+    vocab_file = Path(d.vocab_file) if d.vocab_file else out / "vocab" / "vocab.txt"
+    if not vocab_file.exists():
+        if d.vocab_file:
+            raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist")
+        log.info("training a %d-token WordPiece vocabulary on %s", d.vocab_size, ", ".join(d.input))
+        train_vocab(list(d.input), vocab_file.parent, vocab_size=d.vocab_size, lowercase=d.do_lower_case)
+    data_dir = out / "data"
+    if not (data_dir / "stats.json").exists():
+        log.info("preparing %s into %s", ", ".join(d.input), data_dir)
+        prepare(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
+                              masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
+                              do_lower_case=d.do_lower_case, seed=cfg.seed, overwrite=data_dir.exists()))
+    return data_dir, vocab_file
+
+
+def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str, bytes] | None) -> nn.Module:
+    """BertForPreTraining from a preset or config.json, optionally initialised from a checkpoint (weights only)."""
+    m = cfg.model
+    overrides = m.architecture_overrides()
+    if m.init:
+        dropout = {k: v for k, v in overrides.items() if k.endswith("dropout_prob")}
+        model = BertForPreTraining.from_pretrained(m.init, **dropout)
+        for k, v in overrides.items():
+            if k not in dropout and getattr(model.config, k) != v:
+                raise ValueError(f"config key 'model.{k}' = {v} disagrees with the model.init weights ({m.init} has "
+                                 f"{getattr(model.config, k)}); an initialised model keeps its shape")
+        init_vocab = model.tokenizer_files.get("vocab.txt")
+        if init_vocab and tokenizer_files and tokenizer_files.get("vocab.txt") not in (None, init_vocab):
+            raise ValueError(f"config key 'model.init': the vocab.txt of {m.init} differs from the vocabulary the "
+                             "data was tokenized with; prepare the data with the model's vocab.txt")
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
+                             f"data's vocabulary has {vocab_size} entries")
+        log.info("initialised weights from %s (weights only; optimizer and schedule start fresh)", m.init)
+    else:
+        if m.preset.endswith(".json") or Path(m.preset).is_file():
+            config = BertConfig.from_json_file(m.preset)
+            if config.vocab_size != vocab_size:
+                raise ValueError(f"config key 'model.preset': {m.preset} has vocab_size {config.vocab_size} but the "
+                                 f"data's vocabulary has {vocab_size} entries")
+            config = dataclasses.replace(config, **overrides)  # re-validated by BertConfig.__post_init__
+        else:
+            config = BertConfig.from_preset(m.preset, vocab_size=vocab_size, **overrides)
+        model = BertForPreTraining(config)
+    if tokenizer_files:
+        model.tokenizer_files = dict(tokenizer_files)
+    if cfg.sample.max_seq_length > model.config.max_position_embeddings:
+        raise ValueError(f"config key 'sample.max_seq_length' ({cfg.sample.max_seq_length}) exceeds the model's "
+                         f"max_position_embeddings ({model.config.max_position_embeddings})")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+@dataclass
+class PretrainResult:
+    """What `run_pretraining` returns (on every rank)."""
+    run: RunResult
+    output_dir: Path
+    final_dir: Path | None = None
+
+    @property
+    def state(self):
+        return self.run.state
+
+    @property
+    def stopped_by_signal(self) -> bool:
+        return self.run.stopped_by_signal
+
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        return self.run.last_metrics
+
+
+def run_pretraining(cfg: PretrainConfig, resume: str | None = None) -> PretrainResult:
+    """Pretrain BERT as configured; `resume` is None, "auto" (newest complete checkpoint) or a checkpoint path."""
+    out = Path(cfg.output_dir)
+    with distributed_context(cfg.distributed) as dist:
+        run = Trainer(cfg, dist).fit(PretrainingTask(cfg), resume)
+        result = PretrainResult(run, out)
+        if dist.is_main and not run.stopped_by_signal:
+            _plot(out)
+            if cfg.checkpoint.export_final:
+                result.final_dir = ckpt.export_final(out, run.model)
+        barrier()
+        return result
+
+
+def _plot(out: Path) -> None:
+    jsonl = out / "metrics.jsonl"
+    if jsonl.exists():
+        try:
+            plot_metrics(jsonl, out / "metrics.png")
+        except Exception as e:  # a plot must never fail a finished run
+            log.warning("could not plot metrics: %s", e)

@@ -1,0 +1,502 @@
+"""The one training engine: pretraining and every fine-tuning task run through `Trainer.fit`.
+
+A `Task` supplies only what differs between them: its model, its micro-batch loader (built on the shared rank
+partition of `bertrain.data.sampler`), how many loss targets a micro-batch holds, and its loss as sums
+(`bertrain.model.losses`). The Trainer owns everything else: distributed set-up, the batch plan, precision,
+optimizer and schedule, metrics / progress bar / stop signal, the one checkpoint layout and the one resume path.
+
+The parts that are easy to get wrong:
+
+* **Loss normalisation.** Each loss group's sum over the micro-batch (e.g. MLM: summed token losses) is divided
+  by that group's target count over the *global* batch, so 1 process x accumulation k == k processes x 1, even
+  when micro-batches hold different numbers of targets. The counts are all-reduced once per step, before the
+  forward passes; each micro-step back-propagates `sum / global_count * world_size`, because DDP *averages*
+  gradients over ranks.
+* **Accumulation.** All but the last micro-step run under `no_sync` (no all-reduce); the last backward
+  all-reduces every gradient.
+* **Clipping** happens in `optimizer_step`, which runs only after the micro-step loop has finished, so it always
+  sees the all-reduced gradients (asserted).
+* **Agreement.** One small all-reduce per step carries the target counts, whether every rank still has a full
+  step of data (the epoch ends for all ranks together: uneven data cannot hang) and whether any rank got
+  SIGTERM/SIGINT (all ranks then save the same step and exit).
+* **Resume.** Rank 0 chooses the checkpoint (newest complete and verified one for "auto") and broadcasts the
+  choice; every rank restores weights, optimizer, scheduler, loss scaler, loader position and its own RNG state,
+  so a resumed run is bitwise the straight one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from bertrain.config import save_config
+from bertrain.model.options import apply_model_options
+from bertrain.train import checkpoint as ckpt
+from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
+from bertrain.train.distributed import (
+    DistInfo, all_reduce_sum, barrier, broadcast_object, gather_objects, grads_are_synced, no_sync, unwrap_model,
+    wrap_model,
+)
+from bertrain.train.metrics import MetricsLogger
+from bertrain.train.optim import build_optimizer
+from bertrain.train.precision import Precision
+from bertrain.train.schedules import build_scheduler
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+
+class Loader(Protocol):
+    """A rank's micro-batches (see `bertrain.data.sampler.ResumableLoader`)."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Task(Protocol):
+    """What a task supplies to the Trainer."""
+
+    name: str
+    loss_groups: tuple[str, ...]
+    """Each group `g` is normalised by its own global target count: `forward` returns `{g}_loss_sum`."""
+
+    def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Loader:
+        """This rank's micro-batches of `plan.micro_batch_size` (CPU tensors)."""
+
+    def build_model(self) -> nn.Module:
+        """The model on CPU; called with the same torch seed on every rank."""
+
+    def target_counts(self, batch: Batch) -> list[int]:
+        """Targets of each loss group in one micro-batch (known before the forward pass)."""
+
+    def forward(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """`{g}_loss_sum` for each group (differentiable) and other sums to log (e.g. correct predictions)."""
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, Any]:
+        """Derived numbers for a log record from the summed outputs of `forward` over an interval."""
+
+
+@dataclass
+class TrainState:
+    """Progress counters saved in every checkpoint."""
+    step: int = 0
+    """Optimizer steps done (including fp16-skipped ones: their data was consumed)."""
+    epoch: int = 0
+    samples: int = 0
+    """Global samples consumed by completed steps."""
+    skipped_steps: int = 0
+
+
+@dataclass
+class RunResult:
+    """What `Trainer.fit` returns (on every rank)."""
+    state: TrainState
+    model: nn.Module
+    """The trained (unwrapped) model of this rank."""
+    total_steps: int
+    plan: BatchPlan
+    seconds: float = 0.0
+    """Wall time of the steps run by this process (not counting set-up)."""
+    stopped_by_signal: bool = False
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    resumed_from: Path | None = None
+    start_step: int = 0
+    """The step this process started at (> 0 after a resume)."""
+
+
+class Trainer:
+    """`Trainer(cfg, dist).fit(task, resume)`: train `task` as configured; `resume` is None, "auto" (newest
+    complete checkpoint in `cfg.output_dir`, else from scratch) or a checkpoint folder."""
+
+    def __init__(self, cfg: TrainerConfig, dist: DistInfo) -> None:
+        self.cfg = cfg
+        self.dist = dist
+        self.out = Path(cfg.output_dir)
+
+    def fit(self, task: Task, resume: str | None = None) -> RunResult:
+        cfg, dist = self.cfg, self.dist
+        plan = resolve_batch(cfg.train, dist.world_size)
+        loader = task.build_loader(dist, plan)
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        model = apply_model_options(task.build_model(), cfg.model_options).to(dist.device)
+        total_steps = resolve_total_steps(cfg.train, loader, plan)
+        lr = scaled_lr(cfg, plan)
+        optimizer = build_optimizer(model, cfg.optim, lr)
+        scheduler = build_scheduler(optimizer, cfg.schedule, total_steps)
+        precision = Precision(cfg.precision, dist.device)
+        ckpt.seed_rank_rng(cfg.seed, dist.rank, 0)  # dropout differs per rank, reproducibly
+        state = TrainState()
+        start = find_resume_checkpoint(resume, self.out, dist)
+        if start is not None:
+            state = restore(start, model, optimizer, scheduler, precision, loader, dist, cfg, plan)
+        else:
+            loader.set_epoch(0)
+        ddp_model = wrap_model(model, dist, cfg.distributed)
+        if dist.is_main:
+            save_config(cfg, self.out / "config.yaml")
+            log.info("%s: %d steps, global batch %d = micro %d x accumulation %d x %d ranks, lr %g, %s, %s",
+                     task.name, total_steps, plan.global_batch_size, plan.micro_batch_size, plan.accumulation,
+                     plan.world_size, lr, cfg.optim.name, cfg.precision.mode)
+        start_step = state.step
+        run = _Run(self, task, ddp_model, loader, optimizer, scheduler, precision, state, total_steps, plan)
+        t0 = time.perf_counter()
+        with StopSignal() as stop, MetricsLogger(self.out, dist.is_main,
+                                                 resume_step=state.step if start else None) as ml, \
+                _log_through_bar(_show_bar(dist)):
+            stopped, last = run.steps(stop, ml)
+            interval = cfg.checkpoint.save_interval
+            if stopped or interval == 0 or state.step % interval != 0:
+                run.save()
+        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start, start_step)
+
+
+class _Run:
+    """The state of one `fit`: the step loop and the checkpoint writer."""
+
+    def __init__(self, trainer: Trainer, task: Task, model: nn.Module, loader: Loader,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision, state: TrainState,
+                 total_steps: int, plan: BatchPlan) -> None:
+        self.cfg, self.dist, self.out = trainer.cfg, trainer.dist, trainer.out
+        self.task, self.model, self.loader = task, model, loader
+        self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
+        self.state, self.total_steps, self.plan = state, total_steps, plan
+
+    def steps(self, stop: "StopSignal", metrics_log: MetricsLogger) -> tuple[bool, dict[str, Any]]:
+        """Optimizer steps until `total_steps` or a stop signal; returns (stopped_by_signal, last logged record)."""
+        cfg, dist, state, plan = self.cfg, self.dist, self.state, self.plan
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        meter = Meter(self.task, dist.device)
+        batches = iter(self.loader)
+        empty_epochs = 0  # epochs in a row that ended before a single step: data too small for one global batch
+        steps_this_epoch = 0
+        bar = tqdm(total=self.total_steps, initial=state.step, desc=self.task.name, unit="step",
+                   dynamic_ncols=True, disable=not _show_bar(dist))
+        last: dict[str, Any] = {}
+        while state.step < self.total_steps:
+            t0 = time.perf_counter()
+            micro_batches = take(batches, plan.accumulation)
+            meter.data_time += time.perf_counter() - t0
+            flags = step_flags(self.task, micro_batches, plan.accumulation, stop.requested, dist)
+            if flags["ranks_with_data"] < dist.world_size:
+                # some rank has no full step left: every rank ends the epoch here together (no hang on uneven data)
+                empty_epochs = empty_epochs + 1 if steps_this_epoch == 0 else 0
+                if empty_epochs > 1:  # one is fine: a resume exactly at the end of an epoch
+                    raise ValueError(f"an epoch of data does not fill one optimizer step of "
+                                     f"{plan.global_batch_size} samples: lower 'train.global_batch_size' or add data")
+                state.epoch += 1
+                self.loader.set_epoch(state.epoch)
+                batches = iter(self.loader)
+                steps_this_epoch = 0
+                continue
+            steps_this_epoch += 1
+            micro_batches = [to_device(trim_padding(mb) if cfg.train.trim_padding else mb, dist.device)
+                             for mb in micro_batches]
+            shares = self.forward_backward(micro_batches, flags["counts"], meter)
+            grad_norm, stepped = optimizer_step(self.model, params, self.optimizer, self.precision,
+                                                cfg.optim.max_grad_norm)
+            if stepped:
+                self.scheduler.step()
+            else:
+                state.skipped_steps += 1
+            state.step += 1
+            state.samples += plan.global_batch_size
+            meter.add_step(shares, grad_norm, stepped)
+            bar.update(1)
+            if state.step % cfg.train.log_interval == 0 or state.step == self.total_steps or flags["stop"]:
+                last = meter.flush(state, self.optimizer, self.precision, dist)
+                metrics_log.log(last)
+                bar.set_postfix(loss=f"{last['loss']:.3f}")
+                log.info("step %d/%d %s", state.step, self.total_steps, _format_record(last))
+            if flags["stop"]:
+                log.warning("stop requested (signal): saving step %d and exiting", state.step)
+                bar.close()
+                return True, last
+            if cfg.checkpoint.save_interval and state.step % cfg.checkpoint.save_interval == 0:
+                self.save()
+        bar.close()
+        return False, last
+
+    def forward_backward(self, micro_batches: list[Batch], counts: list[int], meter: "Meter") -> torch.Tensor:
+        """Forward and backward of every micro-batch; the all-reduce happens only in the last backward.
+
+        Returns this rank's share of each loss group's step loss (detached; summed over ranks they give the
+        step's global losses).
+        """
+        groups = self.task.loss_groups
+        world = self.dist.world_size
+        shares = torch.zeros(len(groups), device=self.dist.device)
+        for i, mb in enumerate(micro_batches):
+            with no_sync(self.model, enabled=i < len(micro_batches) - 1):
+                with self.precision.autocast():
+                    sums = self.task.forward(self.model, mb)
+                terms = torch.stack([sums[f"{g}_loss_sum"].float() / max(c, 1) for g, c in zip(groups, counts)])
+                self.precision.backward(terms.sum() * world)
+            shares += terms.detach()
+            meter.add_micro(sums, mb)
+        return shares
+
+    def save(self) -> None:
+        """Every rank contributes its RNG state; rank 0 writes the folder; all wait for it."""
+        rngs = gather_objects(ckpt.rng_state())
+        if self.dist.is_main:
+            train_state = {
+                "version": 2, "task": self.task.name, "state": asdict(self.state),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "precision": self.precision.state_dict(), "rng": rngs, "loader": self.loader.state_dict(),
+                "world_size": self.dist.world_size, "batch": asdict(self.plan),
+            }
+            ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model), train_state, self.cfg,
+                                 self.cfg.checkpoint.keep_last)
+        barrier()
+
+
+# ----------------------------------------------------------------------------------------------- step pieces
+
+def optimizer_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                   precision: Precision, max_grad_norm: float) -> tuple[torch.Tensor, bool]:
+    """Unscale, clip (on the all-reduced gradients) and step; returns (grad norm, stepped)."""
+    assert grads_are_synced(model), "clipping must see all-reduced gradients (called inside no_sync)"
+    grad_norm = precision.unscale_and_clip(optimizer, params, max_grad_norm)
+    stepped = precision.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.detach(), stepped
+
+
+def step_flags(task: Task, micro_batches: list[Batch], accumulation: int, stop: bool,
+               dist: DistInfo) -> dict[str, Any]:
+    """One all-reduce per step: global target counts per loss group, ranks with a full step, stop requests."""
+    full = len(micro_batches) == accumulation
+    counts = [0] * len(task.loss_groups)
+    if full:
+        for mb in micro_batches:
+            counts = [a + b for a, b in zip(counts, task.target_counts(mb))]
+    v = torch.tensor([*counts, int(full), int(stop)], dtype=torch.float64, device=dist.device)
+    if dist.device.type == "cuda" or dist.world_size > 1:
+        v = all_reduce_sum(v)
+    *counts, ranks, stops = (int(x) for x in v.tolist())
+    return {"counts": counts, "ranks_with_data": ranks, "stop": stops > 0}
+
+
+def take(it: Iterator, n: int) -> list:
+    """Up to `n` items of `it` (fewer at the end of the epoch)."""
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def trim_padding(batch: Batch) -> Batch:
+    """Drop padding columns beyond the longest sequence (padding sits at the end of every row and attention is
+    masked there, so results are the same with less compute). Per-row keys (labels, positions) are kept."""
+    longest = int(batch["attention_mask"].sum(1).max())
+    if longest == batch["input_ids"].shape[1]:
+        return batch
+    out = dict(batch)
+    for k in ("input_ids", "token_type_ids", "attention_mask"):
+        out[k] = batch[k][:, :longest]
+    return out
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def resolve_total_steps(train: TrainConfig, loader: Loader, plan: BatchPlan) -> int:
+    """train.steps, or epochs x full steps per epoch (the shortest rank decides, as the loop does), rounded up."""
+    if train.steps:
+        return train.steps
+    per_epoch = min(gather_objects(len(loader))) // plan.accumulation
+    if per_epoch == 0:
+        raise ValueError(f"config key 'train.global_batch_size': one epoch has fewer than {plan.global_batch_size} "
+                         "samples, so not a single step fits")
+    return max(1, math.ceil(train.epochs * per_epoch - 1e-9))
+
+
+def scaled_lr(cfg: TrainerConfig, plan: BatchPlan) -> float:
+    """optim.lr, times global batch / base batch with `optim.scale_lr_with_batch`."""
+    if not cfg.optim.scale_lr_with_batch:
+        return cfg.optim.lr
+    return cfg.optim.lr * plan.global_batch_size / cfg.optim.base_batch_size
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+class Meter:
+    """Accumulates per-step numbers on the device; one all-reduce and one host sync per log interval."""
+
+    def __init__(self, task: Task, device: torch.device) -> None:
+        self.task, self.device = task, device
+        self.keys: list[str] | None = None  # the task's sum names, fixed by the first micro-batch
+        self.reset()
+
+    def reset(self) -> None:
+        groups = len(self.task.loss_groups)
+        self.losses = torch.zeros(groups, dtype=torch.float64, device=self.device)
+        self.sums = None if self.keys is None else torch.zeros(len(self.keys) + 2, dtype=torch.float64,
+                                                                 device=self.device)
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.steps = 0
+        self.stepped = 0
+        self.data_time = 0.0
+        self.t0 = time.perf_counter()
+
+    def add_micro(self, sums: dict[str, torch.Tensor], batch: Batch) -> None:
+        if self.keys is None:
+            self.keys = sorted(sums)
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.keys) + 2, dtype=torch.float64, device=self.device)
+        values = [sums[k].detach().double().reshape(()) for k in self.keys]
+        values += [batch["attention_mask"].sum().double(),
+                   torch.tensor(batch["input_ids"].shape[0], dtype=torch.float64, device=self.device)]
+        self.sums += torch.stack(values)
+
+    def add_step(self, shares: torch.Tensor, grad_norm: torch.Tensor, stepped: bool) -> None:
+        self.losses += shares.double()
+        self.steps += 1
+        if stepped:
+            self.stepped += 1
+            self.grad_norm += grad_norm.double()
+
+    def flush(self, state: TrainState, optimizer: torch.optim.Optimizer, precision: Precision,
+              dist: DistInfo) -> dict[str, Any]:
+        assert self.sums is not None and self.keys is not None
+        both = all_reduce_sum(torch.cat([self.losses, self.sums])).tolist()
+        groups = self.task.loss_groups
+        losses, sums = both[:len(groups)], dict(zip(self.keys, both[len(groups):]))
+        tokens, seqs = both[-2:]
+        wait = torch.tensor([self.data_time], dtype=torch.float64, device=self.device)
+        wait = all_reduce_sum(wait).item() / dist.world_size
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        n = max(self.steps, 1)
+        record: dict[str, Any] = {"step": state.step, "epoch": state.epoch, "samples": state.samples,
+                                  "loss": sum(losses) / n}
+        if len(groups) > 1:
+            for g, value in zip(groups, losses):
+                record[f"{g}_loss"] = value / n if sums.get(f"{g}_count", 1) else None
+        record.update(self.task.metrics(sums))
+        record.update({
+            "lr": optimizer.param_groups[0]["lr"],
+            "grad_norm": self.grad_norm.item() / self.stepped if self.stepped else float("nan"),
+            "loss_scale": precision.loss_scale, "skipped_steps": state.skipped_steps,
+            "seq_per_s": seqs / elapsed, "tokens_per_s": tokens / elapsed,
+            "data_wait": min(1.0, wait / elapsed), "elapsed_s": elapsed,
+        })
+        self.reset()
+        return record
+
+
+def _format_record(r: dict[str, Any]) -> str:
+    skip = {"step", "epoch", "samples", "elapsed_s", "skipped_steps", "loss_scale", "tokens_per_s", "data_wait"}
+    parts = []
+    for k, v in r.items():
+        if k in skip or v is None:
+            continue
+        parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    return " ".join(parts)
+
+
+def _show_bar(dist: DistInfo) -> bool:
+    """tqdm on rank 0 when the output is a terminal."""
+    return dist.is_main and sys.stderr.isatty()
+
+
+def _log_through_bar(enabled: bool) -> contextlib.AbstractContextManager:
+    """While a bar is shown, route log lines through tqdm.write so they do not tear the bar."""
+    return logging_redirect_tqdm() if enabled else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------- resume
+
+def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo) -> Path | None:
+    """Rank 0 decides which checkpoint to resume from (verifying it) and tells the others."""
+    if not resume:
+        return None
+    choice: str | None = None
+    problem = None
+    if dist.is_main:
+        if resume == "auto":
+            found = ckpt.latest_checkpoint(output_dir)
+            if found is None:
+                log.info("--resume auto: no complete checkpoint in %s, starting from scratch", output_dir)
+            choice = str(found) if found else None
+        else:
+            problem = ckpt.verify_checkpoint(resume)
+            choice = resume
+    # every rank learns the decision (or the error), so none waits forever for a rank that gave up
+    choice, problem = broadcast_object((choice, problem))
+    if problem:
+        raise ValueError(f"--resume {resume}: {problem}")
+    return Path(choice) if choice else None
+
+
+def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision,
+            loader: Loader, dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan) -> TrainState:
+    """Load everything a checkpoint holds; RNG states are per rank when the world size is unchanged."""
+    ts = ckpt.load_train_state(path)
+    if ts.get("version") != 2 or "loader" not in ts:
+        raise ValueError(f"--resume: {path} was written by an older bertrain (train_state version "
+                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
+    ckpt.load_model_weights(model, path)
+    optimizer.load_state_dict(ts["optimizer"])
+    scheduler.load_state_dict(ts["scheduler"])
+    precision.load_state_dict(ts["precision"])
+    loader.load_state_dict(ts["loader"])
+    state = TrainState(**ts["state"])
+    if ts["world_size"] == dist.world_size:
+        ckpt.set_rng_state(ts["rng"][dist.rank])
+    else:
+        log.warning("resuming on %d ranks from a %d-rank checkpoint: per-rank RNG streams are re-seeded",
+                    dist.world_size, ts["world_size"])
+        ckpt.seed_rank_rng(cfg.seed, dist.rank, state.step)
+    if ts["batch"]["global_batch_size"] != plan.global_batch_size:
+        log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
+                    "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
+    log.info("resumed from %s at step %d (epoch %d, %d samples)", path, state.step, state.epoch, state.samples)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------- signals
+
+class StopSignal:
+    """SIGTERM / SIGINT set a flag; the loop saves at the end of the step and exits (all ranks agree via the
+    per-step all-reduce). A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("received %s: will save a checkpoint at the end of this step and stop",
+                    signal.Signals(signum).name)
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
