@@ -81,14 +81,13 @@ def _coerce(tp: Any, value: Any, key: str, from_string: bool) -> Any:
             if type(None) in args:
                 return None
             raise bad()
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _coerce(a, value, key, from_string)
-            except ValueError as e:
-                errors.append(str(e))
+            except ValueError:
+                continue  # try the next member; if none fits, one message names them all
         raise bad()
     if origin is Literal:
         for choice in args:

@@ -14,9 +14,15 @@ GLUE metrics use scikit-learn / scipy, as the GLUE reference implementations (an
 from __future__ import annotations
 
 import collections
+import logging
 import re
 import string
 from typing import Any, Iterable, Mapping, Sequence
+
+# scikit-learn and scipy are imported inside the GLUE metric functions that use them: together they take about a
+# second to import, which every `bertrain` command would otherwise pay (SQuAD's metrics need neither).
+
+log = logging.getLogger(__name__)
 
 import numpy as np
 
@@ -71,8 +77,6 @@ def evaluate_v1(dataset: list[dict[str, Any]], predictions: Mapping[str, str]) -
 
     `dataset` is the JSON file's `data` list. A question without a prediction scores 0 (and is logged).
     """
-    import logging
-
     f1 = exact_match = 0.0
     total = 0
     for article in dataset:
@@ -80,7 +84,7 @@ def evaluate_v1(dataset: list[dict[str, Any]], predictions: Mapping[str, str]) -
             for qa in paragraph["qas"]:
                 total += 1
                 if qa["id"] not in predictions:
-                    logging.getLogger(__name__).warning("Unanswered question %s will receive score 0.", qa["id"])
+                    log.warning("Unanswered question %s will receive score 0.", qa["id"])
                     continue
                 ground_truths = [x["text"] for x in qa["answers"]]
                 prediction = predictions[qa["id"]]
@@ -140,9 +144,7 @@ def get_raw_scores(dataset: list[dict[str, Any]], preds: Mapping[str, str]) -> t
                     # For unanswerable questions, only correct answer is empty string
                     gold_answers = [""]
                 if qid not in preds:
-                    import logging
-
-                    logging.getLogger(__name__).warning("Missing prediction for %s", qid)
+                    log.warning("Missing prediction for %s", qid)
                     continue
                 a_pred = preds[qid]
                 exact_scores[qid] = max(compute_exact(a, a_pred) for a in gold_answers)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bertrain.config import save_config
@@ -50,7 +51,6 @@ def save_model(model: nn.Module, path: Path) -> None:
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(path)
     else:
-        from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
 
 
@@ -63,7 +63,6 @@ def load_model_weights(model: nn.Module, path: str | Path) -> None:
         if hasattr(loaded, "tokenizer_files"):
             model.tokenizer_files = loaded.tokenizer_files
     else:
-        from safetensors.torch import load_file
         model.load_state_dict(load_file(str(path / "model.safetensors")))
 
 

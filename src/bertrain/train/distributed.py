@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from bertrain.train.config import DistributedConfig
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
@@ -172,7 +173,6 @@ def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None =
                          "(torch's hook refuses gloo); use fp16 on CPU, or none")
     if cfg.grad_compression != "none":
         # torch's own hooks: cast each bucket to 16 bits, allreduce, cast back (divided by world size as DDP does).
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         hook = default_hooks.bf16_compress_hook if cfg.grad_compression == "bf16" else default_hooks.fp16_compress_hook
         ddp.register_comm_hook(state=None, hook=hook)
     return ddp

@@ -12,6 +12,7 @@ off with BERTRAIN_KEEP_FREED_MEMORY=0 (the price is a process that keeps its pea
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -25,8 +26,6 @@ def keep_freed_memory(mmap_threshold: int, trim_threshold: int) -> bool:
     if not sys.platform.startswith("linux") or os.environ.get("BERTRAIN_KEEP_FREED_MEMORY") == "0":
         return False
     try:
-        import ctypes
-
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
