@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
+from bertrain.data.samples import SampleConfig
 
 VOCAB = None
 try:
@@ -36,9 +37,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "prepared"
+        sample = SampleConfig(max_seq_length=args.seq_len)
         prepare(PrepareConfig(inputs=[args.input], output=str(out), vocab_file=VOCAB, masking=args.masking,
-                              max_seq_length=args.seq_len, dupe_factor=1))
-        ds = PretrainingDataset(out, max_seq_length=args.seq_len, masking=args.masking)
+                              sample=sample, dupe_factor=1))
+        ds = PretrainingDataset(out, sample, masking=args.masking)
         result = {"samples": len(ds), "batch_size": args.batch_size, "seq_len": args.seq_len, "masking": args.masking}
         for workers in (0, 2):
             loader = PretrainingLoader(ds, args.batch_size, num_workers=workers)

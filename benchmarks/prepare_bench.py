@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -21,6 +22,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
 
 DEFAULT_VOCAB = None
 try:  # the real uncased 30522-token BERT vocab when installed, else our tiny test vocab
@@ -87,8 +91,6 @@ def main() -> None:
 def extract_text(path: str) -> str:
     """The input's documents as cleaned by `prepare` (sentences on lines, documents separated by blank lines) in a
     temporary text file, named like the input."""
-    from bertrain.data.corpus import CorpusOptions, SkipReport, iter_documents
-
     out = Path(tempfile.mkdtemp()) / (Path(path).name.split(".")[0] + "-extracted.txt")
     with open(out, "w", encoding="utf-8") as f:
         for doc in iter_documents([path], CorpusOptions(), SkipReport()):
@@ -98,10 +100,6 @@ def extract_text(path: str) -> str:
 
 def stage_breakdown(inputs: list[str], vocab: str) -> None:
     """CPU seconds of each stage in one process (workers=1): what one core costs per MB, load-independent-ish."""
-    import logging
-
-    from bertrain.data.prepare import PrepareConfig, prepare
-
     logging.disable(logging.INFO)
     with tempfile.TemporaryDirectory() as tmp:
         t0, w0 = time.process_time(), time.perf_counter()

@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from bertrain.data.corpus import (CorpusOptions, SkipReport, clean_document, clean_documents, iter_documents,
-                                  iter_raw_documents, resolve_inputs, split_sentences, strip_wiki_markup)
+from bertrain.data import readers
+from bertrain.data.cleaning import clean_document, clean_documents, split_sentences
+from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents, iter_raw_documents, resolve_inputs
+from bertrain.data.wikitext import strip_wiki_markup
 from conftest import shared_file
 
 MARKUP = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref")
@@ -187,11 +189,9 @@ def test_clean_document_controls_and_nfc():
 
 def _documents_line_by_line(path, report):
     """The plain reference for `_read_text`: a document is a maximal run of lines whose strip() is not empty."""
-    from bertrain.data import corpus
-
-    with corpus._CountingReader(corpus._open_binary(str(path))) as reader:
+    with readers._CountingReader(readers._open_binary(str(path))) as reader:
         buf = []
-        for line in corpus._text_lines(reader, str(path), report):
+        for line in readers._text_lines(reader, str(path), report):
             if line.strip():
                 buf.append(line)
             elif buf:
@@ -207,12 +207,10 @@ def test_text_documents_block_reader_equals_line_by_line(tmp_path, monkeypatch, 
     whitespace-only lines (\\r, \\x1c, U+3000, U+2028), invalid bytes, unterminated last lines, and over-long
     lines cut into pieces (MAX_LINE_CHARS shrunk to 64, or blocks to 40 bytes, so that pieces and block ends fall
     everywhere)."""
-    from bertrain.data import corpus
-
     if short_lines:
-        monkeypatch.setattr(corpus, "MAX_LINE_CHARS", 64)
+        monkeypatch.setattr(readers, "MAX_LINE_CHARS", 64)
     else:  # many block ends inside the fast path
-        monkeypatch.setattr(corpus, "_BLOCK_BYTES", 40)
+        monkeypatch.setattr(readers, "_BLOCK_BYTES", 40)
     rng = random.Random(1)
     pieces = ["abc", "Hello world.", " ", "  ", "\t", "\r", "\x1c", "\u3000", "\u2028", "\x85", "é", "\n", "\n", "\n",
               "\r\n", "\n  \n"]
@@ -224,7 +222,7 @@ def test_text_documents_block_reader_equals_line_by_line(tmp_path, monkeypatch, 
         path = tmp_path / f"f{i}.txt"
         path.write_bytes(data)
         expected = list(_documents_line_by_line(path, SkipReport()))
-        got = [d.text for d in corpus._read_text(str(path), "text", SkipReport())]
+        got = [d.text for d in readers._read_text(str(path), "text", SkipReport())]
         assert got == expected, repr(data[:200])
 
 

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from bertrain.data.prepare import PrepareConfig, prepare
-from bertrain.data.pretraining import InstanceBuilder, PretrainingDataset, PretrainingLoader, SampleConfig
+from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
+from bertrain.data.samples import _BLOCK_DOMAIN, SampleConfig, _uniform, build_blocks, sample_keys
 from bertrain.data.store import TokenStore
 from bertrain.data.tokenizer import read_vocab
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 VOCAB = ASSETS / "vocab-tiny.txt"
 T, P = 128, 20
+SAMPLE = SampleConfig(T, P)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def all_rows(ds: PretrainingDataset, epoch: int = 0) -> np.ndarray:
 
 
 def test_sample_structure_and_statistics(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     vocab = read_vocab(VOCAB)
     cls_, sep, mask, pad = (vocab.index(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
     b = ds.get_batch(0, np.arange(len(ds)))
@@ -82,7 +84,7 @@ def _unmask(b, i):
 
 
 def test_is_next_pairs_are_contiguous_text_and_random_pairs_come_from_another_document(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     store = TokenStore(prepared)
     flat = store.tokens_at(np.arange(store.num_tokens)).astype(np.uint16).tobytes()
     doc_of_token = np.repeat(np.arange(store.num_documents),
@@ -116,7 +118,7 @@ def test_is_next_pairs_are_contiguous_text_and_random_pairs_come_from_another_do
 
 
 def test_whole_word_masking_masks_whole_words(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic", whole_word_masking=True)
+    ds = PretrainingDataset(prepared, SampleConfig(T, P, whole_word_masking=True), masking="dynamic")
     vocab = read_vocab(VOCAB)
     sub = np.array([t.startswith("##") for t in vocab])
     b = ds.get_batch(0, np.arange(400))
@@ -138,7 +140,7 @@ def test_whole_word_masking_masks_whole_words(prepared):
 
 
 def test_mlm_only_packing(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic", next_sentence=False)
+    ds = PretrainingDataset(prepared, SampleConfig(T, P, next_sentence=False), masking="dynamic")
     b = ds.get_batch(0, np.arange(len(ds)))
     assert torch.all(b["next_sentence_labels"] == -100)
     assert torch.all(b["token_type_ids"] == 0)
@@ -154,8 +156,8 @@ def test_mlm_only_packing(prepared):
 
 
 def test_static_instances_are_dynamic_epochs_materialised(prepared):
-    static = PretrainingDataset(prepared, T, P, masking="static")
-    dynamic = PretrainingDataset(prepared, T, P, masking="dynamic")
+    static = PretrainingDataset(prepared, SAMPLE, masking="static")
+    dynamic = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     assert len(static) == 2 * len(dynamic)
     nb = len(dynamic)
     ids = np.array([0, 5, nb - 1])
@@ -163,18 +165,18 @@ def test_static_instances_are_dynamic_epochs_materialised(prepared):
     assert np.array_equal(static.get_rows(0, ids + nb), dynamic.get_rows(1, ids))
     assert not np.array_equal(dynamic.get_rows(0, ids), dynamic.get_rows(1, ids))  # epochs differ
     with pytest.raises(ValueError, match="no static instances"):
-        PretrainingDataset(prepared, 256, 40, masking="static")
+        PretrainingDataset(prepared, SampleConfig(256, 40), masking="static")
 
 
 def test_phase2_length_from_the_same_store(prepared):
-    ds = PretrainingDataset(prepared, 512, 80, masking="dynamic")
+    ds = PretrainingDataset(prepared, SampleConfig(512, 80), masking="dynamic")
     b = ds.get_batch(0, np.arange(50))
     assert b["input_ids"].shape == (50, 512) and b["masked_positions"].shape == (50, 80)
     assert b["attention_mask"].sum(1).float().mean() > 256
 
 
 def test_sample_is_independent_of_batch_composition(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     alone = ds.get_rows(2, np.array([17]))
     inside = ds.get_rows(2, np.array([3, 17, 99]))
     assert np.array_equal(alone[0], inside[1])
@@ -191,7 +193,7 @@ def _global(batches_per_rank):
 
 @pytest.mark.parametrize("masking", ["dynamic", "static"])
 def test_one_two_three_ranks_see_the_same_global_order(prepared, masking):
-    ds = PretrainingDataset(prepared, T, P, masking=masking)
+    ds = PretrainingDataset(prepared, SAMPLE, masking=masking)
     orders = {}
     for world, b in ((1, 6), (2, 3), (3, 2)):
         loaders = [PretrainingLoader(ds, b, r, world, seed=7) for r in range(world)]
@@ -203,7 +205,7 @@ def test_one_two_three_ranks_see_the_same_global_order(prepared, masking):
 
 
 def test_uneven_tail_drop_or_wrap_gives_equal_counts(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     n = len(ds)
     for drop in (True, False):
         loaders = [PretrainingLoader(ds, 7, r, 3, drop_last=drop) for r in range(3)]
@@ -216,7 +218,7 @@ def test_uneven_tail_drop_or_wrap_gives_equal_counts(prepared):
 
 
 def test_epochs_advance_and_replay(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     loader = PretrainingLoader(ds, 64, seed=3)
     e0 = [b["input_ids"] for b in loader]
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["samples_consumed"] == 0
@@ -229,7 +231,7 @@ def test_epochs_advance_and_replay(prepared):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_mid_epoch_is_exact(prepared, num_workers):
-    ds = PretrainingDataset(prepared, T, P, masking="dynamic")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="dynamic")
     full = PretrainingLoader(ds, 8, seed=11)
     reference = [b for _, b in zip(range(12), full)]
     first = PretrainingLoader(ds, 8, seed=11, num_workers=num_workers)
@@ -238,7 +240,7 @@ def test_resume_mid_epoch_is_exact(prepared, num_workers):
         next(it)
     state = first.state_dict()
     assert state["samples_consumed"] == 56
-    resumed = PretrainingLoader(PretrainingDataset(prepared, T, P, masking="dynamic"), 8, seed=11,
+    resumed = PretrainingLoader(PretrainingDataset(prepared, SAMPLE, masking="dynamic"), 8, seed=11,
                                 num_workers=num_workers)
     resumed.load_state_dict(state)
     nxt = [b for _, b in zip(range(5), resumed)]
@@ -248,7 +250,7 @@ def test_resume_mid_epoch_is_exact(prepared, num_workers):
 
 
 def test_resume_under_a_different_world_size(prepared):
-    ds = PretrainingDataset(prepared, T, P, masking="static")
+    ds = PretrainingDataset(prepared, SAMPLE, masking="static")
     ref = PretrainingLoader(ds, 8, seed=5)
     reference = [b["input_ids"] for _, b in zip(range(6), ref)]
     # 2 ranks x 4: three global steps = 24 samples, then resume on 4 ranks x 2.
@@ -269,7 +271,7 @@ def test_resume_under_a_different_world_size(prepared):
 
 
 def test_tokenizer_identity_checked(prepared, tmp_path):
-    ds = PretrainingDataset(prepared, T, P)
+    ds = PretrainingDataset(prepared, SAMPLE)
     ds.check_tokenizer(VOCAB, True)
     with pytest.raises(ValueError, match="tokenizer mismatch"):
         ds.check_tokenizer(VOCAB, False)
@@ -312,16 +314,15 @@ def _greedy_blocks_reference(store: TokenStore, cfg: SampleConfig, targets: np.n
 @pytest.mark.parametrize("next_sentence", [True, False])
 @pytest.mark.parametrize("seq_len", [16, 128, 512])
 def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, seq_len):
-    from bertrain.data.pretraining import _BLOCK_DOMAIN, _uniform, build_blocks, sample_keys
-
     store = TokenStore(prepared)
     cfg = SampleConfig(max_seq_length=seq_len, max_predictions_per_seq=4, short_seq_prob=0.3,
                        next_sentence=next_sentence)
     max_tokens = seq_len - (3 if next_sentence else 2)
-    keys = sample_keys(cfg.seed, _BLOCK_DOMAIN, np.arange(store.num_sentences))
+    seed = 12345
+    keys = sample_keys(seed, _BLOCK_DOMAIN, np.arange(store.num_sentences))
     short = _uniform(keys, 0) < cfg.short_seq_prob
     targets = np.where(short, 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64), max_tokens)
     assert 0.25 < short.mean() < 0.35 and targets.min() >= 2 and targets.max() == max_tokens
-    blocks = build_blocks(store, cfg)
+    blocks = build_blocks(store, cfg, seed)
     np.testing.assert_array_equal(blocks, _greedy_blocks_reference(store, cfg, targets.tolist()))
     assert blocks[0, 0] == 0 and blocks[-1, 1] == store.num_sentences and np.all(blocks[1:, 0] == blocks[:-1, 1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from bertrain.cli import main as cli_main
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.pretraining import PretrainingDataset
 from bertrain.data.store import ShardWriter, TokenStore
+from bertrain.data.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 VOCAB = str(ASSETS / "vocab-tiny.txt")
@@ -51,7 +53,6 @@ def test_stats_and_store_contents(reference):
     ds = PretrainingDataset(reference, masking="dynamic")
     assert stats["num_instances"] == 2 * len(ds)
     # token ids decode back to the text of the first document
-    from bertrain.data.tokenizer import load_tokenizer
     first = load_tokenizer(VOCAB).decode(np.concatenate(store.document(0)).tolist())
     assert "assert" in first.split()[:5]
 
@@ -61,7 +62,7 @@ def test_same_seed_same_bytes_whatever_the_worker_count(reference, tmp_path):
     prepare(cfg(out, workers=2))
     assert digest(out) == digest(reference)
     other = tmp_path / "seed"
-    prepare(cfg(other, random_seed=1))
+    prepare(cfg(other, seed=1))
     a, b = digest(other), digest(reference)
     inst = [[v for k, v in d.items() if k.endswith("instances.bin")] for d in (a, b)]
     assert inst[0] != inst[1]  # another seed, other samples
@@ -114,7 +115,6 @@ def test_killed_prepare_resumes_and_matches(reference, tmp_path, monkeypatch, ca
 
 
 def test_corrupt_or_truncated_shard_is_reported_with_its_name(reference, tmp_path):
-    import shutil
     bad = tmp_path / "bad"
     shutil.copytree(reference, bad)
     shard = sorted((bad / "shards").glob("*.bts"))[1]

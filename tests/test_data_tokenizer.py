@@ -1,12 +1,13 @@
 """FastBertEncoder (the fast path of `prepare`) gives exactly HF tokenizers' BertWordPiece ids."""
 from __future__ import annotations
 
+import random
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-from bertrain.data.corpus import CorpusOptions, SkipReport, iter_documents
+from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
 from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer
 from conftest import shared_file
 
@@ -92,8 +93,6 @@ def test_real_corpora_equal_hf(rel, lower):
 def test_random_ascii_words_equal_hf(lower, vocab):
     """New ASCII words take the Python greedy WordPiece path: random letters/digits (with common suffixes, so
     that splits into ##pieces, [UNK]s and over-long words all happen) must give HF's ids exactly."""
-    import random
-
     rng = random.Random(1)
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" + "ing" * 5 + "ed" * 5 + " .,"
     sents = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(3000)]

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
+
+from bertrain.data.pretraining import PretrainingDataset
+from bertrain.data.samples import SampleConfig
+from bertrain.data.store import TokenStore
+from bertrain.data.tokenizer import read_vocab
 
 HELP = "print samples (tokens, ids, types, masks, NSP label) and stats of a prepared folder"
 
@@ -21,24 +27,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.data.pretraining import PretrainingDataset
-    from bertrain.data.store import TokenStore
-    from bertrain.data.tokenizer import read_vocab
-
     data_dir = Path(args.data_dir)
     store = TokenStore(data_dir, verify=args.verify)  # clear errors for incomplete/corrupt folders
     stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
-    scfg = stats.get("sample_config") or {}
+    recorded = dict(stats.get("sample_config") or {})  # static instances' settings and seed, if any
+    seed = recorded.pop("seed", 12345)
     masking = args.masking
     if masking == "auto":
         masking = "static" if stats.get("masking") == "static" else "dynamic"
-    kwargs = {k: v for k, v in scfg.items() if k != "seed"}
-    kwargs["seed"] = scfg.get("seed", 12345)
-    if args.max_seq_length:
-        kwargs["max_seq_length"] = args.max_seq_length
-    if args.max_predictions_per_seq:
-        kwargs["max_predictions_per_seq"] = args.max_predictions_per_seq
-    ds = PretrainingDataset(data_dir, masking=masking, verify=False, **kwargs)
+    overrides = {k: v for k, v in (("max_seq_length", args.max_seq_length),
+                                   ("max_predictions_per_seq", args.max_predictions_per_seq)) if v}
+    sample = dataclasses.replace(SampleConfig(**recorded), **overrides)
+    ds = PretrainingDataset(data_dir, sample, masking=masking, seed=seed, verify=False)
     vocab = read_vocab(data_dir / "vocab.txt")
     n = min(args.samples, len(ds))
     batch = ds.get_batch(args.epoch, list(range(n)))

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.samples import SampleConfig
+
 HELP = "tokenize corpora into a sharded token store and (--masking static) pretraining instances"
 
 
@@ -21,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="static: also materialise masked instances (google-research/bert); dynamic or none: write the token "
            "store only, samples are built and masked at training time (default static)")
     a("--do-lower-case", action=argparse.BooleanOptionalAction, default=True, help="must match the vocab")
-    a("--random-seed", type=int, default=12345)
+    a("--seed", "--random-seed", dest="seed", type=int, default=12345,
+      help="seed of blocks, masking and NSP pairing (default 12345)")
     a("--workers", type=int, default=0, help="worker processes (default: every core)")
     a("--whole-word-masking", action="store_true", help="static: mask whole words")
     a("--no-next-sentence", dest="next_sentence", action="store_false",
@@ -37,16 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.data.prepare import PrepareConfig, prepare
-
+    sample = SampleConfig(max_seq_length=args.max_seq_length, max_predictions_per_seq=args.max_predictions_per_seq,
+                          masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
+                          whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence)
     cfg = PrepareConfig(
-        inputs=args.input, output=args.output, vocab_file=args.vocab_file, max_seq_length=args.max_seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq, masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, masking=args.masking,
-        do_lower_case=args.do_lower_case, random_seed=args.random_seed, workers=args.workers,
-        whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence, overwrite=args.overwrite,
-        input_format=args.input_format, text_field=args.text_field, min_document_chars=args.min_document_chars,
-        dedupe=args.dedupe, skip_disambiguation=args.skip_disambiguation, shard_tokens=args.shard_tokens)
+        inputs=args.input, output=args.output, vocab_file=args.vocab_file, sample=sample,
+        dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=args.do_lower_case, seed=args.seed,
+        workers=args.workers, overwrite=args.overwrite, input_format=args.input_format, text_field=args.text_field,
+        min_document_chars=args.min_document_chars, dedupe=args.dedupe, skip_disambiguation=args.skip_disambiguation,
+        shard_tokens=args.shard_tokens)
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from bertrain.data.tokenizer import tokenizer_identity, train_vocab
+
 HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
 
 
@@ -19,8 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.data.tokenizer import tokenizer_identity, train_vocab
-
     path = train_vocab(args.input, args.output, vocab_size=args.vocab_size, lowercase=not args.cased,
                        min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet,
                        corpus_options={"input_format": args.input_format, "text_field": args.text_field})

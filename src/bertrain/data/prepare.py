@@ -16,7 +16,6 @@ in finished shards (their input is re-read, not re-processed). A different comma
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import multiprocessing
@@ -32,8 +31,10 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from bertrain.data.corpus import (CorpusOptions, InputFormat, RawDocument, SkipReport, clean_documents, doc_hash,
-                                  iter_raw_documents, resolve_inputs)
+from bertrain.data.cleaning import clean_documents
+from bertrain.data.readers import (CorpusOptions, InputFormat, RawDocument, SkipReport, doc_hash, iter_raw_documents,
+                                   resolve_inputs)
+from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
 from bertrain.utils.io import _fsync_dir, atomic_write_json, replace_dir
@@ -52,28 +53,18 @@ class PrepareConfig:
     """Output folder (built as OUTPUT.partial and renamed when complete)."""
     vocab_file: str = ""
     """WordPiece vocab.txt (from `bertrain vocab` or a pretrained model)."""
-    max_seq_length: int = 128
-    """Static instances: tokens per sample."""
-    max_predictions_per_seq: int = 20
-    """Static instances: maximum masked positions per sample."""
-    masked_lm_prob: float = 0.15
-    """Fraction of tokens to mask."""
-    short_seq_prob: float = 0.1
-    """Probability of a shorter target length for a block."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Static instances: what a sample is (dynamic samples are built at training time with the trainer's)."""
     dupe_factor: int = 5
     """Static instances: number of differently masked copies of the corpus."""
     masking: Literal["static", "dynamic", "none"] = "static"
     """static: also materialise instances; dynamic/none: token store only (samples are built at training time)."""
     do_lower_case: bool = True
     """Lower-case (and strip accents) before WordPiece: must match the vocab."""
-    random_seed: int = 12345
+    seed: int = 12345
     """Seed of blocks, masking and NSP pairing."""
     workers: int = 0
     """Worker processes (0 = every core)."""
-    whole_word_masking: bool = False
-    """Static instances: mask whole words."""
-    next_sentence: bool = True
-    """Static instances: NSP pairs; false = MLM-only packing of full sentences."""
     overwrite: bool = False
     """Replace an existing output folder."""
     input_format: InputFormat = "auto"
@@ -108,13 +99,6 @@ class PrepareConfig:
             errors.append("shard_tokens and chunk_bytes must be positive")
         if errors:
             raise ValueError("; ".join(errors))
-        self.sample_config()  # validates lengths and probabilities
-
-    def sample_config(self):
-        from bertrain.data.pretraining import SampleConfig
-
-        return SampleConfig(self.max_seq_length, self.max_predictions_per_seq, self.masked_lm_prob,
-                            self.short_seq_prob, self.whole_word_masking, self.next_sentence, self.random_seed)
 
     def corpus_options(self) -> CorpusOptions:
         return CorpusOptions(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
@@ -159,16 +143,13 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
     return ids, lens[keep], counts[counts > 0], {k: dict(v) for k, v in skipped.items()}, text_bytes
 
 
-def _static_setup(data_dir: str, sample_cfg: dict, out_path: str) -> None:
+def _static_setup(data_dir: str, sample: SampleConfig, seed: int, out_path: str) -> None:
     """A worker's static-instance state, made on its first static task (the pool is the one that tokenized:
     a second pool cost ~15 ms of serial start-up and shutdown between the stages)."""
-    from bertrain.data.pretraining import InstanceBuilder, SampleConfig
-
     _close_static()  # (the word caches stay: freeing them took ~10 ms, and they are bounded by max_cache)
-    _W["builder"] = InstanceBuilder(TokenStore(data_dir, verify=False, require_complete=False),
-                                    SampleConfig(**sample_cfg))
+    _W["builder"] = InstanceBuilder(TokenStore(data_dir, verify=False, require_complete=False), sample, seed)
     _W["out_fd"] = os.open(out_path, os.O_WRONLY)
-    _W["static_setup"] = (data_dir, sample_cfg, out_path)
+    _W["static_setup"] = (data_dir, sample, seed, out_path)
 
 
 def _close_static() -> None:
@@ -178,7 +159,7 @@ def _close_static() -> None:
     _W.pop("static_setup", None)
 
 
-def _static_rows(task: tuple[int, int, int, str, tuple[str, dict, str]]) -> int:
+def _static_rows(task: tuple[int, int, int, str, tuple[str, SampleConfig, int, str]]) -> int:
     """Build rows [lo, hi) of epoch `epoch` and write them in place into the pre-sized instances file.
 
     Workers write their own rows (os.pwrite at the row's fixed offset) instead of sending them back: piping
@@ -354,26 +335,23 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict
 
 # ----------------------------------------------------------------------------------------------- stage 2
 
-def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, pool, workers: int,
+def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe_factor: int, pool, workers: int,
                            require_complete: bool = True, block_batch: int = 2048) -> int:
     """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count.
 
     `pool`: a `_pool` of `workers` processes (or None: build in this process)."""
-    from bertrain.data.pretraining import InstanceBuilder, static_dir_name, write_static_meta
-
-    out = data_dir / static_dir_name(sample_cfg, dupe_factor)
+    out = data_dir / static_dir_name(sample, seed, dupe_factor)
     if (out / "instances.json").is_file():
         meta = json.loads((out / "instances.json").read_text(encoding="utf-8"))
         logger.info("static instances %s already complete", out.name)
         return int(meta["num_instances"])
-    t0 = time.perf_counter()
     store = TokenStore(data_dir, verify=False, require_complete=require_complete)
-    builder = InstanceBuilder(store, sample_cfg)  # builds and caches the blocks, which the workers then load
+    builder = InstanceBuilder(store, sample, seed)  # builds and caches the blocks, which the workers then load
     n_blocks = builder.n_blocks
-    dtype = np.dtype(np.uint16) if max(store.vocab_size, sample_cfg.max_seq_length) < 65536 else np.dtype(np.uint32)
+    dtype = np.dtype(np.uint16) if max(store.vocab_size, sample.max_seq_length) < 65536 else np.dtype(np.uint32)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".instances.bin.tmp"
-    setup = (str(data_dir), dataclasses.asdict(sample_cfg), str(tmp))
+    setup = (str(data_dir), sample, seed, str(tmp))
     tasks = [(d, lo, min(lo + block_batch, n_blocks), dtype.name, setup)
              for d in range(dupe_factor) for lo in range(0, n_blocks, block_batch)]
     n = 0
@@ -395,7 +373,7 @@ def write_static_instances(data_dir: Path, sample_cfg, dupe_factor: int, pool, w
     finally:
         _close_static()
     os.replace(tmp, out / "instances.bin")
-    write_static_meta(out, sample_cfg, dupe_factor, n, builder.row_width, dtype, time.perf_counter() - t0)
+    write_static_meta(out, sample, seed, dupe_factor, n, builder.row_width, dtype)
     _fsync_dir(out)
     return n
 
@@ -427,9 +405,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
             raise ValueError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
         t_tok = time.perf_counter() - t0
         num_instances = None
-        sample_cfg = cfg.sample_config()
         if cfg.masking == "static":
-            num_instances = write_static_instances(work, sample_cfg, cfg.dupe_factor, pool, workers,
+            num_instances = write_static_instances(work, cfg.sample, cfg.seed, cfg.dupe_factor, pool, workers,
                                                    require_complete=False)
     finally:
         _end_pool(pool)
@@ -443,7 +420,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "input_mb_per_s": round(report.input_bytes / 1e6 / seconds, 3),
         "tokens_per_s": round(meta["num_tokens"] / seconds, 1),
         "tokenizer_identity": identity, "masking": cfg.masking,
-        "sample_config": dataclasses.asdict(sample_cfg) if cfg.masking == "static" else None,
+        "sample_config": sample_record(cfg.sample, cfg.seed) if cfg.masking == "static" else None,
         "dupe_factor": cfg.dupe_factor if cfg.masking == "static" else None,
         "inputs": list(cfg.inputs), "skipped": report.to_dict(),
     }

@@ -4,7 +4,7 @@ Layout of a prepared folder::
 
     DIR/store.json               index: format, version, tokenizer identity, shards with sizes and CRC32s, totals
     DIR/shards/shard-00000.bts   one shard (below)
-    DIR/static-.../              materialised static instances (bertrain.data.pretraining)
+    DIR/static-.../              materialised static instances (bertrain.data.samples)
     DIR/stats.json               written last: its presence marks a complete folder
 
 A shard file is a 64-byte header followed by three arrays, each starting at an 8-byte aligned offset::
@@ -52,7 +52,7 @@ def _pad8(n: int) -> int:
 
 
 class ShardWriter:
-    """Streams one shard to `path` (via a temporary file): `add_document` many times, then `close()` -> info."""
+    """Streams one shard to `path` (via a temporary file): `add` chunks of documents, then `close()` -> info."""
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype):
         self.path = Path(path)

@@ -20,6 +20,7 @@ import numpy as np
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
 from bertrain.utils.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -260,11 +261,9 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
                 special_tokens: Sequence[str] = SPECIAL_TOKENS, corpus_options: dict | None = None) -> Path:
     """Train a WordPiece vocabulary on `inputs` (any input `bertrain prepare` reads) and write `output_dir/vocab.txt`.
 
-    Documents are read, cleaned and split exactly as `prepare` does (see `bertrain.data.corpus`), so the vocab
+    Documents are read, cleaned and split exactly as `prepare` does (see `bertrain.data.readers`), so the vocab
     sees the same text the model will. Returns the path of vocab.txt (written atomically).
     """
-    from bertrain.data.corpus import CorpusOptions, SkipReport, iter_documents
-
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if vocab_size < len(special_tokens) + 1:

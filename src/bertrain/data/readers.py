@@ -1,13 +1,13 @@
-"""Corpus readers and cleaning: raw inputs -> documents -> cleaned sentences.
+"""Corpus readers: raw inputs -> documents (`iter_raw_documents`), and cleaned documents (`iter_documents`).
 
 Inputs (`resolve_inputs`): files, folders (recursive, sorted), globs, and `builtin:python-docs` (the English text
 of Python's own reference documentation, `pydoc_data.topics`, present on every Python installation). The format
 is chosen by suffix unless `CorpusOptions.input_format` says otherwise; `.bz2`, `.gz` and `.xz` are decompressed
 on the fly:
 
-* `wiki`  (`.xml`, `.xml.bz2`, multistream too): MediaWiki XML dumps; markup stripped with mwparserfromhell
-  (templates, tables, references, files, categories removed; links -> their text); redirects, non-article
-  namespaces and (by default) disambiguation pages skipped; each article is a document, each line a paragraph.
+* `wiki`  (`.xml`, `.xml.bz2`, multistream too): MediaWiki XML dumps (markup stripped by
+  `bertrain.data.wikitext`); redirects, non-article namespaces and (by default) disambiguation pages skipped; each
+  article is a document, each line a paragraph.
 * `text`  (`.txt` and anything else): documents separated by blank lines (a file without blank lines is one
   document); single newlines inside a document are soft (verse, wrapped paragraphs).
 * `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
@@ -15,30 +15,29 @@ on the fly:
 
 Reading is streaming (memory does not grow with the corpus). Every problem with the input — invalid UTF-8,
 empty files, over-long lines, truncated compressed files, bad JSON lines — is counted per file in a `SkipReport`
-and logged with the file name, instead of aborting a long run or passing silently.
-
-Cleaning (`clean_document`, run in the worker processes of `prepare`): markup stripping, NFC normalisation,
-control-character removal, sentence splitting (`split_sentences`).
+and logged with the file name, instead of aborting a long run or passing silently. Cleaning is
+`bertrain.data.cleaning` (run in the worker processes of `prepare`).
 """
 from __future__ import annotations
 
 import bz2
 import codecs
-import dataclasses
 import glob
 import gzip
+import hashlib
 import io
 import json
 import logging
 import lzma
 import os
 import re
-import unicodedata
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Literal
+
+from bertrain.data.cleaning import clean_documents
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +47,6 @@ InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl"]
 # Lines longer than this are cut into pieces (at whitespace where possible): a 10 MB line without a newline would
 # otherwise become one 10 MB "sentence" (and one huge string per worker task).
 MAX_LINE_CHARS = 1 << 20
-# A "sentence" longer than this (no punctuation for pages) is cut at whitespace: BERT sees at most 512 tokens anyway.
-MAX_SENTENCE_CHARS = 4000
 
 
 @dataclass
@@ -106,11 +103,6 @@ class SkipReport:
 
     def add(self, source: str, what: str, n: int = 1) -> None:
         self.counts[source][what] += n
-
-    def merge(self, other: "SkipReport") -> None:
-        self.documents += other.documents
-        for src, c in other.counts.items():
-            self.counts[src].update(c)
 
     def totals(self) -> dict[str, int]:
         out: Counter = Counter()
@@ -338,8 +330,7 @@ def _read_text(path: str, kind: str, report: SkipReport) -> Iterator[RawDocument
         _account_file(reader, path, report)
 
 
-
-def _account_file(reader: "_CountingReader", path: str, report: SkipReport,
+def _account_file(reader: _CountingReader, path: str, report: SkipReport,
                   kept: str = "what was read before the cut") -> None:
     """After a file is read: count its bytes, and report it if it was empty or cut short (a truncated bz2)."""
     report.input_bytes += reader.nbytes
@@ -348,6 +339,7 @@ def _account_file(reader: "_CountingReader", path: str, report: SkipReport,
     if reader.truncated:
         report.add(path, "truncated_files")
         logger.warning("%s is truncated (%s); kept %s", path, reader.truncated, kept)
+
 
 def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawDocument]:
     with _CountingReader(_open_binary(path)) as reader:
@@ -424,7 +416,8 @@ def _read_wiki(path: str, opts: CorpusOptions, report: SkipReport) -> Iterator[R
 
 
 def _read_builtin_python_docs(report: SkipReport) -> Iterator[RawDocument]:
-    from pydoc_data.topics import topics  # shipped with CPython: ~465 KB of English reference text
+    # Imported only when asked for: ~465 KB of English reference text shipped with CPython.
+    from pydoc_data.topics import topics
 
     for name in sorted(topics):
         text = topics[name]
@@ -481,347 +474,5 @@ def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport,
 
 
 def doc_hash(text: str) -> bytes:
-    import hashlib
-
+    """A 12-byte hash of a raw document's text (for `dedupe`)."""
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).digest()
-
-
-# ----------------------------------------------------------------------------------------------- cleaning
-
-# C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8.
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
-_ASCII_CONTROL = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])  # _CONTROL's ASCII part
-_ASCII_CONTROL_BUT_NUL = _ASCII_CONTROL[1:]
-_CONTROL_BUT_NUL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
-# Runs of 2+ spaces, or one space that is not " ": a plain single space matches nothing, so the usual text costs
-# no substitutions (matching every single space was 80% of `normalize_text`). Same output as `[...]+` -> " ".
-# One leading class, not a top-level alternation, so that re scans for it in C (28 -> 6 ms per MB).
-_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]"
-                     r"(?:[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+|(?<=[^ ]))")
-
-
-_ODD_SPACE = re.compile(r"[\t\u00a0\u2000-\u200a\u202f\u205f\u3000]")
-_SPACE_RUN = re.compile("  [ ]*")  # = " {2,}", but written so that re searches for the literal "  "
-
-
-def normalize_text(text: str, keep_nul: bool = False) -> str:
-    """NFC normalisation, control characters removed, runs of spaces collapsed (newlines kept).
-
-    `keep_nul` keeps NUL characters (the document separator of `clean_documents`)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if text.isascii():  # O(1) in CPython. NFC is the identity; bytes.translate deletes controls ~10x faster than re
-        raw = text.encode("ascii")
-        kept = raw.translate(None, _ASCII_CONTROL_BUT_NUL if keep_nul else _ASCII_CONTROL)
-        if len(kept) != len(raw):
-            text = kept.decode("ascii")
-        odd_space = "\t" in text
-    else:
-        text = (_CONTROL_BUT_NUL if keep_nul else _CONTROL).sub("", unicodedata.normalize("NFC", text))
-        odd_space = _ODD_SPACE.search(text) is not None
-    # Python's re tries a match at every candidate position (every space, for `_SPACES`); a single-class search
-    # and a literal search are C scans. So clean text skips the substitution, and text whose only odd spacing is
-    # runs of plain spaces (the usual case) uses the literal-prefix pattern (same result, 12 -> 1 ms per MB).
-    if odd_space:
-        text = _SPACES.sub(" ", text)
-    elif "  " in text:
-        text = _SPACE_RUN.sub(" ", text)
-    return text
-
-
-def _strip_rule_lines(text: str) -> str:
-    if any(c * 4 in text for c in "*=~^#_+-"):  # cheap C substring tests before the line regex
-        text = _RULE_LINE.sub("", text)
-    return text
-
-
-# Decoration lines (reST/Markdown underlines, "*****" separators) are not sentences.
-_RULE_LINE = re.compile(r"^[ \t]*([*=~^#_+-])\1{3,}[ \t]*$", re.MULTILINE)
-
-
-def clean_document(text: str, kind: str) -> list[str]:
-    """Raw document text -> cleaned sentences, by the rules of its `kind`."""
-    return clean_documents([text], kind)[0]
-
-
-# Why batched: Tiny Shakespeare has ~7,000 documents per MB, and cleaning them one call at a time spent most of its
-# time in per-call overhead (normalise, rule lines, paragraph split and a splitter call per paragraph: 0.06 CPU s per
-# MB, 40% of tokenizing). Joining a chunk's documents with a separator and running each step once over the whole
-# text gives the same sentences (each step is per character or per line, and the separator is a line of its own that
-# no step changes or crosses) at a fraction of the cost.
-# NUL, kept through normalisation by `keep_nul` (real text has none: checked, and documents go one by one if it
-# does). An ASCII separator keeps ASCII text ASCII, so CPython's 1-byte-string fast paths (NFC quick check, re)
-# still apply: a non-ASCII one made normalising the joined text 2x slower than document by document.
-_DOC_SEP = "\n\x00\n"
-_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
-# After normalisation no C0 control is left (see _CONTROL), so these mark the boundaries in the joined text.
-_PARA_MARK, _DOC_MARK = "\x02", "\x03"
-
-
-def clean_documents(texts: list[str], kind: str) -> list[list[str]]:
-    """`clean_document` for many documents of one kind at once (same result, much faster for short documents)."""
-    if kind == "wiki":
-        texts = [strip_wiki_markup(t) for t in texts]
-    if len(texts) > 1:
-        joined = _DOC_SEP.join(texts)
-        if joined.count("\x00") == len(texts) - 1:  # else some document holds a NUL itself: one by one
-            return _clean_joined(joined, kind, len(texts))
-    return [_clean_joined(t, kind, 1)[0] for t in texts]
-
-
-def _clean_joined(text: str, kind: str, n_docs: int) -> list[list[str]]:
-    """Normalised, rule lines removed, split into sentences: one list per document of `_DOC_SEP`-joined `text`."""
-    text = _strip_rule_lines(normalize_text(text, keep_nul=n_docs > 1))
-    if n_docs > 1:
-        text = text.replace(_DOC_SEP, _DOC_MARK)
-    if kind == "lines":  # one sentence per line already
-        return [[s for s in (line.strip() for line in doc.split("\n")) if s] for doc in text.split(_DOC_MARK)]
-    if kind == "wiki":  # every line is a paragraph
-        text = text.replace("\n", _PARA_MARK)
-    else:  # blank lines separate paragraphs; single newlines are soft
-        text = _PARAGRAPH_BREAK.sub(_PARA_MARK, text).replace("\n", " ")
-    docs = _split_marked(text, MAX_SENTENCE_CHARS)
-    assert len(docs) == n_docs, (len(docs), n_docs)
-    return docs
-
-
-# ----------------------------------------------------------------------------------------------- sentences
-
-# Why a hand-written splitter: pysbd (the maintained rule-based splitter that works offline) segments 86 KB/s
-# here (measured on Tiny Shakespeare), 70x slower than the 6 MB/s this pipeline targets; NLTK punkt needs data
-# that cannot be downloaded here. This regex + abbreviation check runs at ~30 MB/s (see BENCHMARKS.md) and
-# handles what matters for BERT's sentence-pair task: ., ! and ? followed by space and an upper-case letter,
-# digit or opening quote, except after common abbreviations, initials (J. R. R.) and dotted acronyms (U.S.).
-# A sentence end: end punctuation, closing quotes/brackets, whitespace (group 1), then a capital or digit.
-_SENTENCE_END_TAIL = r"[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de])"
-# A sentence end, or a paragraph/document mark (group 1 is None for a mark). Written to start with one character
-# class (a top-level alternation would not): CPython's re then scans for that class in C instead of trying a match
-# at every position (30 -> 13 ms per MB). `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
-_BOUNDARY = re.compile(f"[{_PARA_MARK}{_DOC_MARK}.!?\u2026](?:(?<=[{_PARA_MARK}{_DOC_MARK}])|"
-                       f"[.!?\u2026]*{_SENTENCE_END_TAIL})")
-_ABBREVIATIONS = frozenset("""
-mr mrs ms dr prof sr jr st mt ft rev gen col lt sgt capt cmdr adm gov sen rep pres hon fr
-no nos vol vols fig figs eq eqs ch chap sec art p pp ed eds op cit cf ca approx est dept univ inc ltd co corp bros
-jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
-vs etc al e.g i.e viz e.g. i.e. a.m p.m u.s u.k
-""".split())
-
-
-def split_sentences(paragraph: str, max_chars: int = MAX_SENTENCE_CHARS) -> list[str]:
-    """Split one paragraph (no newlines) into sentences; sentences longer than `max_chars` are cut at spaces."""
-    return _split_marked(paragraph.replace(_PARA_MARK, " ").replace(_DOC_MARK, " "), max_chars)[0]
-
-
-def _split_marked(text: str, max_chars: int) -> list[list[str]]:
-    """Sentences of `text`, whose paragraphs end at `_PARA_MARK` and documents at `_DOC_MARK`: one list per
-    document. One regex pass over the whole text (not a call per paragraph: see `clean_documents`)."""
-    docs: list[list[str]] = []
-    out: list[str] = []
-    start = 0
-
-    def emit(s: str) -> None:
-        s = s.strip()
-        while len(s) > max_chars:
-            cut = s.rfind(" ", max_chars // 2, max_chars)
-            cut = cut if cut > 0 else max_chars
-            out.append(s[:cut].strip())
-            s = s[cut:].strip()
-        if s:
-            out.append(s)
-
-    for m in _BOUNDARY.finditer(text):
-        end = m.start(1)
-        if end < 0:  # a paragraph or document mark
-            emit(text[start:m.start()])
-            if text[m.start()] == _DOC_MARK:
-                docs.append(out)
-                out = []
-            start = m.end()
-            continue
-        punct = text[m.start():end].rstrip("\"'\u2019\u201d)]")
-        if punct == ".":  # only a single '.' can end an abbreviation
-            ws = text.rfind(" ", start, m.start())
-            word = text[ws + 1 if ws >= 0 else start: m.start()].lstrip("\"'(\u2018\u201c[")
-            if word.lower() in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or ("." in word and len(word) <= 8):
-                continue
-        emit(text[start:end])
-        start = m.end()
-    emit(text[start:])
-    docs.append(out)
-    return docs
-
-
-# ----------------------------------------------------------------------------------------------- wiki markup
-
-_DROP_TAGS = frozenset("""ref references table gallery math chem ce score timeline imagemap graph mapframe
-maplink syntaxhighlight source pre code templatedata templatestyles hiero inputbox categorytree poem
-nowiki noinclude includeonly onlyinclude div span sup sub small big center font""".split()) - {
-    "span", "sup", "sub", "small", "big", "center", "font", "nowiki", "div", "poem"}
-_KEEP_CONTENT_TAGS = frozenset("b i u s strong em span small big sup sub center font abbr cite q nowiki div poem "
-                               "blockquote li dd dt p tt var kbd".split())
-_DROP_SECTIONS = frozenset({"references", "external links", "see also", "further reading", "notes", "bibliography",
-                            "sources", "footnotes", "citations", "notes and references", "works cited"})
-_LINK_DROP_PREFIXES = ("file:", "image:", "category:", "media:", "wikt:", "wiktionary:", "s:", "commons:")
-_INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
-_LEFTOVER_REF = re.compile(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>|</?ref[^>]*>", re.IGNORECASE | re.DOTALL)
-_LEFTOVER_TAG = re.compile(r"</?[a-zA-Z][^<>]{0,200}>")
-_LEFTOVER_MARKUP = re.compile(r"\{\{|\}\}|\[\[|\]\]|\{\||\|\}|'{2,}")
-_MULTI_SPACE = re.compile(r" {2,}")
-_SPACE_PUNCT = re.compile(r" +([.,;:!?](?:\s|$))")
-_TABLE_LINE = re.compile(r"^\s*(\{\||\|\}|\|-|\||!)")
-
-
-_PRE_COMMENT = re.compile(r"<!--.*?(-->|$)", re.DOTALL)
-_PRE_REF = re.compile(r"<ref\b[^>]*/>|<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
-_BRACES = re.compile(r"\{\{|\}\}")
-
-
-def _remove_templates(text: str) -> str:
-    """Drop balanced {{...}} spans (templates carry no running text) with one C-regex scan.
-
-    Why before mwparserfromhell: templates and citation references are most of an article's markup, and building
-    their node trees in mwparserfromhell's Python builder was ~60% of the cleaning time (profiled on the shared
-    Wikipedia sample); removing them first roughly halves the cost of `strip_wiki_markup`.
-    """
-    out: list[str] = []
-    depth = 0
-    last = 0
-    for m in _BRACES.finditer(text):
-        if m.group() == "{{":
-            if depth == 0:
-                out.append(text[last:m.start()])
-            depth += 1
-        elif depth:
-            depth -= 1
-            if depth == 0:
-                last = m.end()
-    if depth == 0:
-        out.append(text[last:])
-    return "".join(out)
-
-
-# A plain internal link: no nested brackets, braces, tags or newlines in it (those are left to mwparserfromhell).
-_PRE_LINK = re.compile(r"\[\[([^\[\]{}<>|\n]+)(?:\|([^\[\]{}<>\n]*))?\]\]")
-
-
-def _link_text(m: re.Match) -> str:
-    """What `_render_node` gives for a plain wikilink, done on the source text (see `strip_wiki_markup`)."""
-    title, text = m.group(1).strip(), m.group(2)
-    low = title.lower()
-    if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
-        return ""
-    if text is not None:
-        return text
-    return title.lstrip(":").split("#")[0] if not title.startswith("#") else title[1:]
-
-
-_TABLE_EDGE = re.compile(r"^[ \t]*(\{\||\|\})", re.MULTILINE)
-_LIST_MARK = re.compile(r"^[*#]+", re.MULTILINE)
-
-
-def _remove_tables(text: str) -> str:
-    """Drop balanced tables ({| at a line start .. |} at a line start) like `_remove_templates` drops templates:
-    the renderer drops every table anyway, and their cells were ~40% of the nodes left for mwparserfromhell.
-    An unclosed table is left to mwparserfromhell."""
-    if "{|" not in text:
-        return text
-    out: list[str] = []
-    depth = 0
-    last = 0
-    opened = 0
-    for m in _TABLE_EDGE.finditer(text):
-        if m.group(1) == "{|":
-            if depth == 0:
-                out.append(text[last:m.start()])
-                opened = m.start()
-            depth += 1
-        elif depth:
-            depth -= 1
-            if depth == 0:
-                last = m.end()
-    out.append(text[opened:] if depth else text[last:])
-    return "".join(out)
-
-
-def strip_wiki_markup(wikitext: str) -> str:
-    """MediaWiki markup -> plain text, one paragraph per line (headings and tail sections dropped)."""
-    import mwparserfromhell
-
-    wikitext = _remove_templates(_PRE_REF.sub("", _PRE_COMMENT.sub("", wikitext)))
-    # Plain [[title|text]] links are most of the remaining nodes, and mwparserfromhell's Python builder spends
-    # ~3 us per node: replacing them by their text with one regex first halves what is left of the parse (same
-    # rules as `_render_node`; the text stays wikitext, so entities and leftovers are handled as before).
-    wikitext = _PRE_LINK.sub(_link_text, _remove_tables(wikitext))
-    # Bullets and numbers of list items: rendered as nothing (the node would be a Tag per item).
-    wikitext = _LIST_MARK.sub("", wikitext)
-    code = mwparserfromhell.parse(wikitext, skip_style_tags=True)
-    parts: list[str] = []
-    skip_level = 0  # > 0 while inside a dropped section (References, See also, ...) of that heading level
-    for node in code.nodes:
-        if isinstance(node, mwparserfromhell.nodes.Heading):
-            title = _render(node.title).strip().lower()
-            if skip_level and node.level > skip_level:
-                continue
-            skip_level = node.level if title in _DROP_SECTIONS else 0
-            parts.append("\n")
-            continue
-        if not skip_level:
-            parts.append(_render_node(node))
-    text = "".join(parts)
-    # Safety net for malformed markup mwparserfromhell leaves as text (unbalanced braces, stray tags).
-    text = _LEFTOVER_REF.sub("", text)
-    text = _LEFTOVER_TAG.sub("", text)
-    lines = []
-    for line in text.split("\n"):
-        if _TABLE_LINE.match(line):
-            continue
-        # Removed templates/refs leave double spaces and "word ." behind.
-        line = _SPACE_PUNCT.sub(r"\1", _MULTI_SPACE.sub(" ", _LEFTOVER_MARKUP.sub("", line))).strip()
-        if line.startswith(("*", "#", ":", ";")):
-            line = line.lstrip("*#:; ")
-        if line:
-            lines.append(line)
-    return "\n".join(lines)
-
-
-def _render(code) -> str:
-    return "".join(_render_node(n) for n in code.nodes)
-
-
-def _render_node(node) -> str:
-    import mwparserfromhell.nodes as N
-
-    if isinstance(node, N.Text):
-        return node.value
-    if isinstance(node, N.Wikilink):
-        title = str(node.title).strip()
-        low = title.lower()
-        if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
-            return ""
-        if node.text is not None:
-            return _render(node.text)
-        return title.lstrip(":").split("#")[0] if not title.startswith("#") else title[1:]
-    if isinstance(node, N.Tag):
-        if node.wiki_markup == "{|":
-            return ""
-        tag = str(node.tag).strip().lower()
-        if tag == "br":
-            return " "
-        if tag in _DROP_TAGS or node.contents is None or node.self_closing:
-            return ""
-        if tag in _KEEP_CONTENT_TAGS or node.wiki_markup:
-            return _render(node.contents)
-        return ""
-    if isinstance(node, N.ExternalLink):
-        return _render(node.title) if node.title is not None else ""
-    if isinstance(node, N.HTMLEntity):
-        try:
-            return node.normalize()
-        except (ValueError, OverflowError):
-            return ""
-    # Templates, comments, parser arguments, headings inside tags: no running text.
-    return ""
-
-
-def options_from_dict(d: dict) -> CorpusOptions:
-    names = {f.name for f in dataclasses.fields(CorpusOptions)}
-    return CorpusOptions(**{k: v for k, v in d.items() if k in names})

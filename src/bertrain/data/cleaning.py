@@ -1,0 +1,179 @@
+"""Cleaning: raw document text -> normalised sentences (run in the worker processes of `prepare`).
+
+`clean_documents` normalises (NFC, control characters removed, spaces collapsed), drops decoration lines, and
+splits into sentences (`split_sentences`) by the rules of the document's kind: `lines` (one sentence per line),
+`wiki` (markup stripped by `bertrain.data.wikitext`, every line a paragraph), `text`/`paragraphs` (blank lines
+separate paragraphs, single newlines are soft).
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# A "sentence" longer than this (no punctuation for pages) is cut at whitespace: BERT sees at most 512 tokens anyway.
+MAX_SENTENCE_CHARS = 4000
+
+
+# C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
+_ASCII_CONTROL = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])  # _CONTROL's ASCII part
+_ASCII_CONTROL_BUT_NUL = _ASCII_CONTROL[1:]
+_CONTROL_BUT_NUL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
+# Runs of 2+ spaces, or one space that is not " ": a plain single space matches nothing, so the usual text costs
+# no substitutions (matching every single space was 80% of `normalize_text`). Same output as `[...]+` -> " ".
+# One leading class, not a top-level alternation, so that re scans for it in C (28 -> 6 ms per MB).
+_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]"
+                     r"(?:[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+|(?<=[^ ]))")
+
+
+_ODD_SPACE = re.compile(r"[\t\u00a0\u2000-\u200a\u202f\u205f\u3000]")
+_SPACE_RUN = re.compile("  [ ]*")  # = " {2,}", but written so that re searches for the literal "  "
+
+
+def normalize_text(text: str, keep_nul: bool = False) -> str:
+    """NFC normalisation, control characters removed, runs of spaces collapsed (newlines kept).
+
+    `keep_nul` keeps NUL characters (the document separator of `clean_documents`)."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if text.isascii():  # O(1) in CPython. NFC is the identity; bytes.translate deletes controls ~10x faster than re
+        raw = text.encode("ascii")
+        kept = raw.translate(None, _ASCII_CONTROL_BUT_NUL if keep_nul else _ASCII_CONTROL)
+        if len(kept) != len(raw):
+            text = kept.decode("ascii")
+        odd_space = "\t" in text
+    else:
+        text = (_CONTROL_BUT_NUL if keep_nul else _CONTROL).sub("", unicodedata.normalize("NFC", text))
+        odd_space = _ODD_SPACE.search(text) is not None
+    # Python's re tries a match at every candidate position (every space, for `_SPACES`); a single-class search
+    # and a literal search are C scans. So clean text skips the substitution, and text whose only odd spacing is
+    # runs of plain spaces (the usual case) uses the literal-prefix pattern (same result, 12 -> 1 ms per MB).
+    if odd_space:
+        text = _SPACES.sub(" ", text)
+    elif "  " in text:
+        text = _SPACE_RUN.sub(" ", text)
+    return text
+
+
+def _strip_rule_lines(text: str) -> str:
+    if any(c * 4 in text for c in "*=~^#_+-"):  # cheap C substring tests before the line regex
+        text = _RULE_LINE.sub("", text)
+    return text
+
+
+# Decoration lines (reST/Markdown underlines, "*****" separators) are not sentences.
+_RULE_LINE = re.compile(r"^[ \t]*([*=~^#_+-])\1{3,}[ \t]*$", re.MULTILINE)
+
+
+def clean_document(text: str, kind: str) -> list[str]:
+    """Raw document text -> cleaned sentences, by the rules of its `kind`."""
+    return clean_documents([text], kind)[0]
+
+
+# Why batched: Tiny Shakespeare has ~7,000 documents per MB, and cleaning them one call at a time spent most of its
+# time in per-call overhead (normalise, rule lines, paragraph split and a splitter call per paragraph: 0.06 CPU s per
+# MB, 40% of tokenizing). Joining a chunk's documents with a separator and running each step once over the whole
+# text gives the same sentences (each step is per character or per line, and the separator is a line of its own that
+# no step changes or crosses) at a fraction of the cost.
+# NUL, kept through normalisation by `keep_nul` (real text has none: checked, and documents go one by one if it
+# does). An ASCII separator keeps ASCII text ASCII, so CPython's 1-byte-string fast paths (NFC quick check, re)
+# still apply: a non-ASCII one made normalising the joined text 2x slower than document by document.
+_DOC_SEP = "\n\x00\n"
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+# After normalisation no C0 control is left (see _CONTROL), so these mark the boundaries in the joined text.
+_PARA_MARK, _DOC_MARK = "\x02", "\x03"
+
+
+def clean_documents(texts: list[str], kind: str) -> list[list[str]]:
+    """`clean_document` for many documents of one kind at once (same result, much faster for short documents)."""
+    if kind == "wiki":
+        # Imported here: mwparserfromhell takes ~60 ms to import, and only wiki input needs it.
+        from bertrain.data.wikitext import strip_wiki_markup
+
+        texts = [strip_wiki_markup(t) for t in texts]
+    if len(texts) > 1:
+        joined = _DOC_SEP.join(texts)
+        if joined.count("\x00") == len(texts) - 1:  # else some document holds a NUL itself: one by one
+            return _clean_joined(joined, kind, len(texts))
+    return [_clean_joined(t, kind, 1)[0] for t in texts]
+
+
+def _clean_joined(text: str, kind: str, n_docs: int) -> list[list[str]]:
+    """Normalised, rule lines removed, split into sentences: one list per document of `_DOC_SEP`-joined `text`."""
+    text = _strip_rule_lines(normalize_text(text, keep_nul=n_docs > 1))
+    if n_docs > 1:
+        text = text.replace(_DOC_SEP, _DOC_MARK)
+    if kind == "lines":  # one sentence per line already
+        return [[s for s in (line.strip() for line in doc.split("\n")) if s] for doc in text.split(_DOC_MARK)]
+    if kind == "wiki":  # every line is a paragraph
+        text = text.replace("\n", _PARA_MARK)
+    else:  # blank lines separate paragraphs; single newlines are soft
+        text = _PARAGRAPH_BREAK.sub(_PARA_MARK, text).replace("\n", " ")
+    docs = _split_marked(text, MAX_SENTENCE_CHARS)
+    assert len(docs) == n_docs, (len(docs), n_docs)
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------- sentences
+
+# Why a hand-written splitter: pysbd (the maintained rule-based splitter that works offline) segments 86 KB/s
+# here (measured on Tiny Shakespeare), 70x slower than the 6 MB/s this pipeline targets; NLTK punkt needs data
+# that cannot be downloaded here. This regex + abbreviation check runs at ~30 MB/s (see BENCHMARKS.md) and
+# handles what matters for BERT's sentence-pair task: ., ! and ? followed by space and an upper-case letter,
+# digit or opening quote, except after common abbreviations, initials (J. R. R.) and dotted acronyms (U.S.).
+# A sentence end: end punctuation, closing quotes/brackets, whitespace (group 1), then a capital or digit.
+_SENTENCE_END_TAIL = r"[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de])"
+# A sentence end, or a paragraph/document mark (group 1 is None for a mark). Written to start with one character
+# class (a top-level alternation would not): CPython's re then scans for that class in C instead of trying a match
+# at every position (30 -> 13 ms per MB). `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
+_BOUNDARY = re.compile(f"[{_PARA_MARK}{_DOC_MARK}.!?\u2026](?:(?<=[{_PARA_MARK}{_DOC_MARK}])|"
+                       f"[.!?\u2026]*{_SENTENCE_END_TAIL})")
+_ABBREVIATIONS = frozenset("""
+mr mrs ms dr prof sr jr st mt ft rev gen col lt sgt capt cmdr adm gov sen rep pres hon fr
+no nos vol vols fig figs eq eqs ch chap sec art p pp ed eds op cit cf ca approx est dept univ inc ltd co corp bros
+jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
+vs etc al e.g i.e viz e.g. i.e. a.m p.m u.s u.k
+""".split())
+
+
+def split_sentences(paragraph: str, max_chars: int = MAX_SENTENCE_CHARS) -> list[str]:
+    """Split one paragraph (no newlines) into sentences; sentences longer than `max_chars` are cut at spaces."""
+    return _split_marked(paragraph.replace(_PARA_MARK, " ").replace(_DOC_MARK, " "), max_chars)[0]
+
+
+def _split_marked(text: str, max_chars: int) -> list[list[str]]:
+    """Sentences of `text`, whose paragraphs end at `_PARA_MARK` and documents at `_DOC_MARK`: one list per
+    document. One regex pass over the whole text (not a call per paragraph: see `clean_documents`)."""
+    docs: list[list[str]] = []
+    out: list[str] = []
+    start = 0
+
+    def emit(s: str) -> None:
+        s = s.strip()
+        while len(s) > max_chars:
+            cut = s.rfind(" ", max_chars // 2, max_chars)
+            cut = cut if cut > 0 else max_chars
+            out.append(s[:cut].strip())
+            s = s[cut:].strip()
+        if s:
+            out.append(s)
+
+    for m in _BOUNDARY.finditer(text):
+        end = m.start(1)
+        if end < 0:  # a paragraph or document mark
+            emit(text[start:m.start()])
+            if text[m.start()] == _DOC_MARK:
+                docs.append(out)
+                out = []
+            start = m.end()
+            continue
+        punct = text[m.start():end].rstrip("\"'\u2019\u201d)]")
+        if punct == ".":  # only a single '.' can end an abbreviation
+            ws = text.rfind(" ", start, m.start())
+            word = text[ws + 1 if ws >= 0 else start: m.start()].lstrip("\"'(\u2018\u201c[")
+            if word.lower() in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or ("." in word and len(word) <= 8):
+                continue
+        emit(text[start:end])
+        start = m.end()
+    emit(text[start:])
+    docs.append(out)
+    return docs
