@@ -139,7 +139,8 @@ class ArrayLoader(ResumableLoader):
     def __init__(self, arrays: dict[str, np.ndarray], micro_batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 12345, pad_multiple: int = 0) -> None:
         lengths = {len(a) for a in arrays.values()}
-        assert len(lengths) == 1, f"feature arrays of different lengths: {lengths}"
+        if len(lengths) != 1:  # data, not an invariant: an error that `python -O` keeps
+            raise ValueError(f"feature arrays of different lengths (or none): {lengths}")
         self.arrays = arrays
         sampler = RankSampler(lengths.pop(), micro_batch_size, rank, world_size, seed, drop_last=False,
                               pad_multiple=pad_multiple)
