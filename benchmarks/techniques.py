@@ -16,9 +16,12 @@ import time
 
 import torch
 
-from bertrain.bench import (SplitQKV, Side, _sync, build_hf, build_optimizer, make_train_step, pretrain_forward,
-                            pretraining_batch, split_qkv, time_interleaved)
+from bertrain.bench.batches import pretraining_batch
+from bertrain.bench.steps import SplitQKV, bench_optimizer, build_hf, make_train_step, pretrain_forward, split_qkv
+from bertrain.bench.timing import Side, time_interleaved
 from bertrain.model.bert import BertConfig, BertForPreTraining
+from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.train.optim import Lamb, param_groups
 
 
 def training_variants(args: argparse.Namespace) -> dict:
@@ -28,7 +31,7 @@ def training_variants(args: argparse.Namespace) -> dict:
     model = BertForPreTraining(config).to(device).train()
     hf = build_hf(model).to(device).train()
     b = {k: v.to(device) for k, v in pretraining_batch(config, args.batch_size, args.seq_len, 1234).items()}
-    opt = build_optimizer(model, args.optimizer, device, None)
+    opt = bench_optimizer(model, args.optimizer)
     split_qkv(model)  # SplitQKV modules are bypassed when `fused` is selected below
     qkv_mods = [m for m in model.modules() if isinstance(m, SplitQKV)]
 
@@ -39,10 +42,10 @@ def training_variants(args: argparse.Namespace) -> dict:
         inner = {m: make_train_step(model, f, opt, device, args.precision) for m, f in ((True, fwd_masked),
                                                                                      (False, fwd_full))}
 
+        options = ModelOptions(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt)
+
         def step() -> None:
-            model.bert.unpad = unpad
-            model.bert.jagged_attention = jagged
-            model.bert.gradient_checkpointing = ckpt
+            apply_model_options(model, options)
             for m, parent in zip(qkv_mods, qkv_parents):
                 parent.qkv = m if not fused_qkv else m.fused
             inner[masked]()
@@ -58,7 +61,7 @@ def training_variants(args: argparse.Namespace) -> dict:
         Side("all on + activation checkpointing", with_flags(ckpt=True)),
         Side("all on + jagged (nested-tensor) attention", with_flags(jagged=True)),
     ]
-    hf_opt = build_optimizer(hf, args.optimizer, device, None)
+    hf_opt = bench_optimizer(hf, args.optimizer)
     sides.append(Side("HF BertForPreTraining (SDPA)",
                       make_train_step(hf, pretrain_forward(hf, b, False), hf_opt, device, args.precision)))
     time_interleaved(sides, args.steps, args.warmup, device)
@@ -82,12 +85,12 @@ def optimizer_variants(args: argparse.Namespace) -> dict:
     model = torch.nn.Module()
     model.params = torch.nn.ParameterList(params)
     variants = {
-        "LAMB multi-tensor (bertrain.train.optim.Lamb)": build_optimizer(model, "lamb", device, True),
+        "LAMB multi-tensor (bertrain.train.optim.Lamb)": Lamb(param_groups(model, 0.01), foreach=True),
         "LAMB per-tensor (bertrain.train.optim.Lamb, foreach=False: the CPU default)":
-            build_optimizer(model, "lamb", device, False),
-        "AdamW fused": build_optimizer(model, "adamw", device, True),
+            bench_optimizer(model, "lamb", foreach=False),
+        "AdamW fused": bench_optimizer(model, "adamw"),
         "AdamW foreach": torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True),
-        "AdamW per-tensor loop": build_optimizer(model, "adamw", device, False),
+        "AdamW per-tensor loop": bench_optimizer(model, "adamw", foreach=False),
     }
     sides = [Side(k, o.step) for k, o in variants.items()]
     time_interleaved(sides, args.steps, 1, device, measure_memory=False)

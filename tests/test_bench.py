@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from bertrain.bench import max_predictions, model_flops, pretraining_batch, sample_lengths
+from bertrain.bench.batches import max_predictions, model_flops, pretraining_batch, sample_lengths
 from bertrain.cli import main
 from bertrain.model.bert import BertConfig
 

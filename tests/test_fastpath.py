@@ -9,14 +9,16 @@ import os
 
 import pytest
 import torch
+from helpers import ATOL, RTOL, assert_same, grads
 
-from bertrain.bench import SplitQKV, pretraining_batch, qa_batch, split_qkv
+from bertrain.bench.batches import pretraining_batch, qa_batch
+from bertrain.bench.steps import SplitQKV, split_qkv
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
-                                 BertForSequenceClassification, BertModel, Jagged, gather_rows, scatter_rows,
-                                 unpad_indices)
+                                 BertForSequenceClassification, BertModel)
+from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.unpad import Jagged, gather_rows, scatter_rows, unpad_indices
 from bertrain.train.optim import Lamb
 
-RTOL, ATOL = 1e-5, 1e-6
 # Every test that takes `dev` also runs on CUDA when there is a GPU (the "device run" of issue 6): fp32 there too,
 # with a looser tolerance (different kernels on each side: SDPA with and without a mask, reductions in other orders).
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -31,21 +33,10 @@ def tiny(dropout: float = 0.0) -> BertConfig:
                                   attention_probs_dropout_prob=dropout)
 
 
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, rtol: float = RTOL,
-                atol: float = ATOL) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
-
-
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
                  ckpt: bool = False, seed: int = 0, jagged: bool = False):
     model.zero_grad(set_to_none=True)
-    model.bert.unpad, model.bert.gradient_checkpointing, model.bert.jagged_attention = unpad, ckpt, jagged
+    apply_model_options(model, ModelOptions(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt))
     x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
              next_sentence_label=b["next_sentence_labels"])
     if masked:
@@ -164,7 +155,7 @@ def test_jagged_attention_general_masks(empty_row, monkeypatch):
         mask[2] = 0
     ids = ids * mask
     ref = model(ids, attention_mask=mask).last_hidden_state
-    model.jagged_attention = True
+    apply_model_options(model, ModelOptions(jagged_attention=True))
     calls = count_nests(monkeypatch)
     out = model(ids, attention_mask=mask, unpad=True).last_hidden_state
     assert calls[0] == (0 if empty_row else 3 * tiny().num_hidden_layers)
@@ -205,7 +196,7 @@ def test_unpadded_classification_equals_padded(dev):
     results = []
     for unpad in (False, True):
         model.zero_grad(set_to_none=True)
-        model.bert.unpad = unpad
+        apply_model_options(model, ModelOptions(unpad=unpad))
         out = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=labels)
         out.loss.backward()
         results.append((out.logits, grads(model)))
@@ -213,18 +204,34 @@ def test_unpadded_classification_equals_padded(dev):
     assert_same(results[1][1], results[0][1], "grad", **tol(dev))
 
 
-def test_unpadded_question_answering_keeps_real_logits():
+def test_question_answering_unpads_only_outside_training(monkeypatch):
+    """With unpadding on (the default options): training computes the plain path's logits everywhere, padding
+    included (HF's loss sees them), and so the same loss and gradients; inference keeps the real tokens' logits and
+    gives padding -10000 (no prediction changes)."""
     torch.manual_seed(0)
-    model = BertForQuestionAnswering(tiny()).eval()
-    assert model.unpad is False  # HF-identical logits everywhere by default
+    model = BertForQuestionAnswering(tiny())
     b = qa_batch(tiny(), 4, 30, seed=5)
-    ref = model(b["input_ids"], b["token_type_ids"], b["attention_mask"])
-    model.unpad = True
-    out = model(b["input_ids"], b["token_type_ids"], b["attention_mask"])
+    x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"])
+    y = dict(start_positions=b["start_positions"], end_positions=b["end_positions"])
+    results = {}
+    for unpad in (False, True):
+        apply_model_options(model, ModelOptions(unpad=unpad))
+        model.zero_grad(set_to_none=True)
+        model.train()
+        out = model(**x, **y)
+        out.loss.backward()
+        model.eval()
+        results[unpad] = out, grads(model), model(**x)
+    (train_ref, g_ref, ref), (train, g, out) = results[False], results[True]
+    torch.testing.assert_close(train.start_logits, train_ref.start_logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(train.end_logits, train_ref.end_logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(train.loss, train_ref.loss, rtol=RTOL, atol=ATOL)
+    assert_same(g, g_ref, "grad")
     real = b["attention_mask"].bool()
     torch.testing.assert_close(out.start_logits[real], ref.start_logits[real], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out.end_logits[real], ref.end_logits[real], rtol=RTOL, atol=ATOL)
     assert (out.start_logits[~real] == -10000).all() and (out.end_logits[~real] == -10000).all()
+    assert (ref.start_logits[~real] != -10000).all()  # the plain path's padding logits are the padding's own
 
 
 @pytest.mark.parametrize("unpad", [False, True])
@@ -254,7 +261,7 @@ def test_bf16_autocast_unpadded_close_to_padded(batch):
     model = BertForPreTraining(tiny())
     outs = []
     for unpad in (False, True):
-        model.bert.unpad = unpad
+        apply_model_options(model, ModelOptions(unpad=unpad))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs.append(model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                               masked_positions=batch["masked_positions"], labels=batch["masked_labels"]).loss)
@@ -297,7 +304,7 @@ def test_compiled_layers_equal_eager(batch, jagged):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny())
     ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=jagged)
-    model.bert.compile_layers()
+    apply_model_options(model, ModelOptions(jagged_attention=jagged, compile=True))
     out, g = pretrain_run(model, batch, unpad=True, jagged=jagged)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     for k in g_ref:

@@ -12,6 +12,7 @@ import torch
 
 from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
 from bertrain.model.hf import to_hf_state_dict
+from bertrain.model.options import ModelOptions, apply_model_options
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,9 +158,17 @@ def test_regression_parity_tiny(tmp_path):
     assert_close(o.loss, r.loss, "MSE loss")
 
 
-def test_question_answering_parity_tiny(tmp_path):
+@pytest.mark.parametrize("options", ["default, training", "plain path, inference"])
+def test_question_answering_parity_tiny(tmp_path, options):
+    """HF's logits at every position (padding included), loss and gradients: in training with the default options
+    (as the trainer runs it: QA training keeps padding), and on the plain path in eval mode. (Inference with the
+    default options runs unpadded: padding logits -10000, tested in test_fastpath.py.)"""
     path, hf = hf_folder(tmp_path, transformers.BertForQuestionAnswering, "qa")
-    ours = BertForQuestionAnswering.from_pretrained(path).eval()
+    if options == "default, training":  # dropout off, so that training mode computes what HF's eval mode does
+        ours = BertForQuestionAnswering.from_pretrained(path, hidden_dropout_prob=0.0,
+                                                        attention_probs_dropout_prob=0.0).train()
+    else:
+        ours = apply_model_options(BertForQuestionAnswering.from_pretrained(path), ModelOptions(unpad=False)).eval()
     assert ours.bert.pooler is None  # as HF: no pooler weights to miss or to leave unused
     x = batch()
     start, end = torch.tensor([3, 1, 50]), torch.tensor([5, 2, 60])  # the last is out of range: clamped, ignored

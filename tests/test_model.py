@@ -6,10 +6,17 @@ import math
 
 import pytest
 import torch
+from helpers import assert_same, grads
 
 from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
+from bertrain.bench.batches import pretraining_batch
 from bertrain.commands.info import flops_per_token
+from bertrain.model import bert as bert_module
 from bertrain.model.bert import PRESETS
+from bertrain.model.hf import config_from_hf_dict, config_from_json_file, config_to_hf_dict
+from bertrain.model.losses import (classification_loss_sums, mean_from_sums, pretraining_loss_sums,
+                                   qa_loss_sums)
+from bertrain.model.options import ModelOptions, apply_model_options
 
 V = 101  # a small vocabulary that is not a multiple of 8
 
@@ -54,9 +61,33 @@ def test_parameter_counts_match_bert_paper_and_hf():
     assert 6 * 110e6 < flops_per_token(BertConfig.from_preset("base"), 128) < 6.6 * 110e6
 
 
-def test_tiny_preset_is_fast():
-    cfg = tiny()
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (2, 64, 2)
+def test_tiny_preset_learns_one_batch_on_the_padding_free_path(monkeypatch):
+    """The tiny preset as the trainer runs it (default ModelOptions: unpadded, masked-position MLM head) must
+    overfit one batch: catches broken gradients or loss wiring anywhere on the path pretraining really takes."""
+    layouts = []
+
+    def spy(*args, **kwargs):
+        layouts.append(original(*args, **kwargs))
+        return layouts[-1]
+    original = bert_module.attention_layout
+    monkeypatch.setattr(bert_module, "attention_layout", spy)
+    torch.manual_seed(0)
+    cfg = BertConfig.from_preset("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = apply_model_options(BertForPreTraining(cfg), ModelOptions()).train()
+    b = pretraining_batch(cfg, 4, 32, seed=0)
+    assert int(b["attention_mask"].sum()) < b["attention_mask"].numel()  # there is padding to skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        out = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], masked_positions=b["masked_positions"],
+                    labels=b["masked_labels"], next_sentence_label=b["next_sentence_labels"])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    assert layouts and all(layout.indices is not None for layout in layouts)  # unpadded every time
+    assert losses[0] > math.log(cfg.vocab_size) * 0.9  # starts near chance (uniform over the vocabulary)
+    assert losses[-1] < 0.2 * losses[0], losses
 
 
 def test_preset_overrides_and_unknown_preset():
@@ -87,31 +118,32 @@ def test_from_json_file_reads_hf_configs_and_rejects_nonsense(tmp_path):
           "intermediate_size": 96, "hidden_act": "gelu_new", "hidden_dropout_prob": 0, "layer_norm_eps": 1e-7}
     f = tmp_path / "config.json"
     f.write_text(json.dumps(hf))
-    cfg = BertConfig.from_json_file(f)
+    cfg = config_from_json_file(f)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.hidden_act, cfg.hidden_dropout_prob) == (1234, 48, "gelu_new", 0.0)
+    assert BertConfig.from_json_file(f) == cfg  # the former spelling, still used outside the model package
     for bad, key in [({"num_attention_heads": 5}, "hidden_size"), ({"vocab_size": "many"}, "vocab_size"),
                      ({"model_type": "roberta"}, "model_type"), ({"attention_probs_dropout_prob": 2}, "attention"),
                      ({"position_embedding_type": "relative_key"}, "position_embedding_type")]:
         f.write_text(json.dumps({**hf, **bad}))
         with pytest.raises(ValueError, match=key) as e:
-            BertConfig.from_json_file(f)
+            config_from_json_file(f)
         assert str(f) in str(e.value)
     f.write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
-        BertConfig.from_json_file(f)
+        config_from_json_file(f)
 
 
 def test_to_hf_dict_is_read_by_transformers():
     transformers = pytest.importorskip("transformers")
     cfg = BertConfig.from_preset("mini", vocab_size=777, hidden_act="relu")
-    d = cfg.to_hf_dict(["BertForPreTraining"])
+    d = config_to_hf_dict(cfg, ["BertForPreTraining"])
     hf = transformers.BertConfig(**d)
     assert d["model_type"] == "bert" and d["architectures"] == ["BertForPreTraining"]
     assert "pad_vocab_size_multiple" not in d
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
               "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id"):
         assert getattr(hf, k) == getattr(cfg, k), k
-    assert BertConfig.from_dict(d) == cfg
+    assert config_from_hf_dict(d) == cfg
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -266,3 +298,72 @@ def test_question_answering_loss_ignores_out_of_range_positions():
     ref = (ce(out.start_logits[:3], torch.tensor([1, 2, 3])) + ce(out.end_logits[:3], torch.tensor([2, 3, 4]))) / 2
     torch.testing.assert_close(out.loss, ref)
     assert math.isfinite(out.loss.item())
+
+
+# ----------------------------------------------------------------------------------------------- losses
+
+def test_head_losses_are_the_trainers_sums_over_local_counts():
+    """Each head's `.loss` is the sum of bertrain.model.losses (what the trainer uses) / the local target count."""
+    torch.manual_seed(0)
+    ids, tt, mask = random_batch()
+    pos = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0], [7, 8, 9]])
+    mlm = torch.tensor([[11, 12, 13], [14, 15, -100], [16, -100, -100], [17, -100, 18]])
+    nsp = torch.tensor([0, 1, -100, 1])
+    out = BertForPreTraining(tiny()).eval()(ids, tt, mask, masked_positions=pos, labels=mlm, next_sentence_label=nsp)
+    sums = pretraining_loss_sums(out.prediction_logits, out.seq_relationship_logits, mlm, nsp)
+    assert (int(sums["mlm_count"]), int(sums["nsp_count"])) == (8, 3)
+    torch.testing.assert_close(out.mlm_loss, sums["mlm_loss_sum"] / 8)
+    torch.testing.assert_close(out.nsp_loss, sums["nsp_loss_sum"] / 3)
+    torch.testing.assert_close(out.loss, sums["mlm_loss_sum"] / 8 + sums["nsp_loss_sum"] / 3)
+
+    for num_labels, labels in ((3, torch.tensor([0, 2, -100, 1])), (1, torch.tensor([0.5, 1.0, -2.0, 3.0]))):
+        out = BertForSequenceClassification(tiny(), num_labels=num_labels).eval()(ids, tt, mask, labels=labels)
+        sums = classification_loss_sums(out.logits, labels)
+        assert int(sums["count"]) == (3 if num_labels == 3 else 4)
+        torch.testing.assert_close(out.loss, sums["loss_sum"] / sums["count"])
+
+    start, end = torch.tensor([1, 2, 99, 4]), torch.tensor([2, 3, 99, 5])  # 99: outside, ignored
+    out = BertForQuestionAnswering(tiny()).eval()(ids, tt, mask, start_positions=start, end_positions=end)
+    sums = qa_loss_sums(out.start_logits, out.end_logits, start, end)
+    assert int(sums["count"]) == 3
+    torch.testing.assert_close(out.loss, mean_from_sums(sums["loss_sum"], sums["count"]))
+
+
+def test_global_normalisation_over_micro_batches_equals_the_whole_batch():
+    """The trainer's accumulation: sum each micro-batch's loss sums, divide by the step's total counts. With
+    micro-batches holding different numbers of MLM targets this equals the loss (and every gradient) of the
+    concatenated batch, which the mean of per-micro-batch means does not."""
+    torch.manual_seed(0)
+    cfg = tiny()
+    model = BertForPreTraining(cfg).eval()
+    a, b = pretraining_batch(cfg, 3, 24, seed=1), pretraining_batch(cfg, 5, 24, seed=2)
+    keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_labels",
+            "next_sentence_labels")
+    both = {k: torch.cat([a[k], b[k]]) for k in keys}
+
+    def forward(x):
+        out = model(x["input_ids"], x["token_type_ids"], x["attention_mask"], masked_positions=x["masked_positions"],
+                    labels=x["masked_labels"], next_sentence_label=x["next_sentence_labels"])
+        return out, pretraining_loss_sums(out.prediction_logits, out.seq_relationship_logits, x["masked_labels"],
+                                          x["next_sentence_labels"])
+
+    whole, _ = forward(both)
+    whole.loss.backward()
+    g_whole = grads(model)
+    model.zero_grad()
+
+    counts = [int((x["masked_labels"] != -100).sum()) for x in (a, b)]
+    assert counts[0] / 3 != counts[1] / 5  # the micro-batches differ in targets per sequence
+    mlm_total, nsp_total = sum(counts), 8
+    mlm = nsp = 0.0
+    means = []
+    for x in (a, b):  # one micro-step each: the loss divided by the step's global counts, then backward
+        out, sums = forward(x)
+        share = sums["mlm_loss_sum"] / mlm_total + sums["nsp_loss_sum"] / nsp_total
+        share.backward()
+        mlm, nsp = mlm + sums["mlm_loss_sum"].detach(), nsp + sums["nsp_loss_sum"].detach()
+        means.append(out.mlm_loss.detach())
+    torch.testing.assert_close(mlm / mlm_total, whole.mlm_loss.detach())
+    torch.testing.assert_close(nsp / nsp_total, whole.nsp_loss.detach())
+    assert_same(grads(model), g_whole, "grad")
+    assert abs(float(sum(means) / 2 - whole.mlm_loss.detach())) > 1e-3  # the naive average would not do

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bertrain.utils.io import atomic_dir
+
 HELP = "import an HF/Google BERT folder (.safetensors or .bin, any heads) into a bertrain model folder"
 
 
@@ -20,8 +22,7 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.model.bert import BertForPreTraining
-    from bertrain.utils.io import atomic_dir
+    from bertrain.model.bert import BertForPreTraining  # torch: only when run (--help stays instant)
 
     out = Path(args.out_dir)
     check_out_dir(out, args.overwrite)

@@ -5,6 +5,9 @@ import argparse
 import re
 from pathlib import Path
 
+from bertrain.commands.convert import check_out_dir
+from bertrain.utils.io import atomic_dir
+
 HELP = "export a bertrain checkpoint (or run folder: its latest checkpoint) as a clean Hugging Face model folder"
 
 
@@ -27,9 +30,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.commands.convert import check_out_dir
-    from bertrain.model.hf import model_class_for
-    from bertrain.utils.io import atomic_dir
+    from bertrain.model.hf import model_class_for  # torch: only when run (--help stays instant)
 
     out = Path(args.out_dir)
     check_out_dir(out, args.overwrite)

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bertrain.commands.export import resolve_checkpoint
+
 HELP = "show a model's config, parameter counts and FLOPs per token (a preset name or a model folder)"
 
 
@@ -27,17 +29,17 @@ def flops_per_token(config: Any, seq_len: int, training: bool = True) -> float:
 
 
 def describe(model: str) -> dict[str, Any]:
+    # torch and the model only when run: `bertrain --help` and `bertrain info --help` import nothing heavy
     import torch
 
-    from bertrain.commands.export import resolve_checkpoint
     from bertrain.model.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
-    from bertrain.model.hf import find_config_file
+    from bertrain.model.hf import config_from_json_file, find_config_file
 
     if model in PRESETS:
         config, source = BertConfig.from_preset(model), f"preset {model}"
     elif Path(model).exists():
         config_file = find_config_file(resolve_checkpoint(Path(model)))  # a run folder: its latest checkpoint
-        config, source = BertConfig.from_json_file(config_file), str(config_file)
+        config, source = config_from_json_file(config_file), str(config_file)
     else:
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder")
     with torch.device("meta"):  # shapes only: instant even for BERT-Large

@@ -4,37 +4,38 @@ nh heads, hs head size, P masked positions, V vocabulary).
 
 Module and parameter names follow Hugging Face's `BertModel` so that anyone who knows it finds their way, with one
 difference: the query/key/value projections are a single fused Linear (`attention.self.qkv`, H -> 3H). The key map
-in `bertrain.model.hf` splits and concatenates them; it is the only place that knows about checkpoint formats.
+in `bertrain.model.hf` splits and concatenates them; it is the only place that knows about checkpoint formats
+(config.json, weight files), and it imports this module, never the reverse.
 
 The vocabulary is padded internally to a multiple of `pad_vocab_size_multiple` (8) so that the embedding and
 decoder matmuls get tensor-core friendly shapes. The extra embedding rows and decoder-bias entries start at zero and
 stay zero (no input id reaches them and the logits are sliced back to `vocab_size` before any loss), so exporting
 by slicing and importing by zero-padding is lossless.
 
-Fast paths (each tested equal to the plain path in tests/test_fastpath*.py, measured in BENCHMARKS.md):
-* Unpadding (`BertModel.forward(..., unpad=True)`): embeddings, projections, FFN and LayerNorms run on the real
-  tokens only, a flat (N, H) tensor; the fused QKV output is re-padded to (B, T', 3H) just for attention, T' the
-  longest sequence rounded up to a multiple of 8. The heads whose outputs do not depend on padding use it by default.
-  With `jagged_attention`, attention runs on nested (jagged) tensors instead: no padding anywhere (SDPA picks a
-  variable-length kernel: flash on CUDA).
+Fast paths (each tested equal to the plain path in tests/test_fastpath.py, measured in BENCHMARKS.md), switched by
+`bertrain.model.options.apply_model_options`, which sets the plain attributes of `BertModel` read here:
+* `unpad`: embeddings, projections, FFN and LayerNorms run on the real tokens only, a flat (N, H) tensor, wherever
+  no output depends on padding (pretraining with masked positions, classification, QA outside training).
+  `BertModel.forward` picks the batch's `AttentionLayout` (bertrain.model.unpad) once; every layer takes it.
+* `jagged_attention`: unpadded attention on nested (jagged) tensors: no padding anywhere.
 * `gradient_checkpointing`: recompute each layer in the backward pass instead of keeping its activations.
-* `compile_layers()`: torch.compile every encoder layer with dynamic shapes (one graph for all lengths).
+* compile: `apply_model_options` torch.compiles every encoder layer with dynamic shapes (one graph for all lengths).
+Losses are the functions of `bertrain.model.losses` that the trainer uses: a head's `.loss` is their sum divided by
+the local count of targets.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
 import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+
+from bertrain.model.losses import classification_loss_sums, mean_from_sums, pretraining_loss_sums, qa_loss_sums
+from bertrain.model.unpad import AttentionLayout, attention_layout
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -127,49 +128,6 @@ class BertConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
-        """Read an HF or Google `config.json` (unrelated keys such as `architectures` are ignored)."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ValueError(f"{path}: config file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        try:
-            return cls.from_dict(data)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BertConfig:
-        """Build from a config.json-style dict: known fields are taken, HF bookkeeping keys ignored, and keys that
-        would change the architecture into something this model is not (another model_type, relative positions,
-        a decoder) are rejected."""
-        if data.get("model_type", "bert") != "bert":
-            raise ValueError(f"model_type = {data['model_type']!r}: only 'bert' models are supported")
-        if data.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type = {data['position_embedding_type']!r}: only 'absolute'")
-        for key in ("is_decoder", "add_cross_attention"):
-            if data.get(key):
-                raise ValueError(f"{key} = {data[key]!r}: only encoder BERT models are supported")
-        if "embedding_size" in data and data["embedding_size"] != data.get("hidden_size"):
-            raise ValueError(f"embedding_size = {data['embedding_size']!r}: factorised embeddings are not BERT")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        return cls(**kwargs)
-
-    def to_hf_dict(self, architectures: list[str] | None = None) -> dict[str, Any]:
-        """The config.json that `transformers.BertConfig` reads (vocabulary padding is internal: not written)."""
-        d: dict[str, Any] = {"architectures": architectures or ["BertForPreTraining"], "model_type": "bert"}
-        d.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        del d["pad_vocab_size_multiple"]
-        d.update(position_embedding_type="absolute", tie_word_embeddings=True)
-        return d
-
 
 PRESETS: dict[str, dict[str, Any]] = {
     # layers x hidden x heads; intermediate = 4 * hidden. tiny is for tests: a forward/backward takes milliseconds.
@@ -228,38 +186,11 @@ class BertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.size(-1), device=input_ids.device)  # (T,), broadcast over B
+                position_ids: torch.Tensor) -> torch.Tensor:
         x = (self.word_embeddings(input_ids)                   # (B, T, H), or (N, H) unpadded
              + self.token_type_embeddings(token_type_ids)
-             + self.position_embeddings(position_ids))
+             + self.position_embeddings(position_ids))         # (T, H) broadcast over B, or (N, H)
         return self.dropout(self.LayerNorm(x))
-
-
-class _DropFxTracingNotice(logging.Filter):
-    """torch.nested logs a one-off notice about `is_fx_tracing` from inside `nested_tensor_from_jagged` (a torch
-    internal, nothing the user can act on): drop just that record."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("is_fx_tracing will return true")
-
-
-logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
-
-
-@dataclass(frozen=True)
-class Jagged:
-    """Sequence boundaries of a flat (N, ...) batch of real tokens, for nested (jagged) tensors."""
-
-    offsets: torch.Tensor  # (B + 1,) int64: sequence b is rows offsets[b]:offsets[b+1]
-    max_len: int           # the longest sequence (saves a host sync inside the kernels)
-
-    def nest(self, t: torch.Tensor) -> torch.Tensor:
-        """(N, nh, hs) -> nested (B, nh, j, hs). SDPA's nested kernels need contiguous values (one copy of q, k, v:
-        the padded path's scatter into a zero (B, T', 3H) grid copies as much, plus the padding)."""
-        nested = torch.nested.nested_tensor_from_jagged(t.contiguous(), self.offsets, max_seqlen=self.max_len)
-        return nested.transpose(1, 2)
 
 
 class BertSelfAttention(nn.Module):
@@ -271,27 +202,17 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)  # rows: [query; key; value]
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
-        H = x.size(-1)
+    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
         qkv = self.qkv(x)                                                  # (B, T, 3H), or (N, 3H) unpadded
-        if jagged is not None:  # unpadded, and no padding for attention either: nested (jagged) tensors
-            N = qkv.size(0)
-            q, k, v = (jagged.nest(t) for t in qkv.view(N, 3, self.num_heads, -1).unbind(1))  # 3 x (B, nh, j, hs)
-            with warnings.catch_warnings():  # the CPU fallback converts to torch's older nested layout, which warns
-                warnings.filterwarnings("ignore", "The PyTorch API of nested tensors", UserWarning)
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0)
-            return y.transpose(1, 2).values().reshape(N, H)                # (N, H)
-        if indices is not None:  # unpadded: scatter the real tokens into a zero (B, T, 3H) grid for attention
-            B, T = mask.size(0), mask.size(-1)
-            qkv = scatter_rows(qkv, indices, B * T).view(B, T, 3 * H)
-        B, T = qkv.shape[:2]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if layout.jagged is not None:  # unpadded, and no padding for attention either: nested (jagged) tensors
+            return layout.jagged.attention(qkv, self.num_heads, dropout_p)  # (N, H)
+        qkv = layout.to_grid(qkv)                       # (B, T, 3H); unpadded: the real tokens in a zero grid
+        B, T, H = qkv.size(0), qkv.size(1), qkv.size(2) // 3
         q, k, v = qkv.view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
         # mask: (B, 1, 1, T) bool, True = attend; scale defaults to 1/sqrt(hs) as in BERT
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           dropout_p=self.dropout_p if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B * T, H) if indices is not None else y.transpose(1, 2).reshape(B, T, H)
-        return gather_rows(y, indices) if indices is not None else y      # (N, H) or (B, T, H)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p)  # (B, nh, T, hs)
+        return layout.from_grid(y.transpose(1, 2).reshape(B, T, H))       # (B, T, H), or (N, H) unpadded
 
 
 class BertAddNorm(nn.Module):
@@ -313,9 +234,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertAddNorm(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
-        return self.output(self.self(x, mask, indices, jagged), x)
+    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        return self.output(self.self(x, layout), x)
 
 
 class BertIntermediate(nn.Module):
@@ -337,11 +257,9 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertAddNorm(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
-        """x: (B, T, H), or (N, H) real tokens with `indices` (N,) their places in the flattened (B, T) mask grid
-        (or with `jagged`, their sequences' boundaries, for attention without any padding)."""
-        x = self.attention(x, mask, indices, jagged)                       # (B, T, H) or (N, H)
+    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        """x: (B, T, H), or (N, H) real tokens when `layout` is unpadded."""
+        x = self.attention(x, layout)                                      # (B, T, H) or (N, H)
         return self.output(self.intermediate(x), x)                        # (B, T, H) or (N, H)
 
 
@@ -349,18 +267,16 @@ class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        self.gradient_checkpointing = False
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                indices: torch.Tensor | None = None, jagged: Jagged | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, gradient_checkpointing: bool = False) -> torch.Tensor:
         for layer in self.layer:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+            if gradient_checkpointing and torch.is_grad_enabled():
                 # keep only each layer's input; recompute the rest in backward (dropout replays its RNG state)
                 # (the recompute check compares saved tensors' shapes, which nested tensors do not have)
-                x = torch.utils.checkpoint.checkpoint(layer, x, mask, indices, jagged, use_reentrant=False,
-                                                      determinism_check="none" if jagged else "default")
+                x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False,
+                                                      determinism_check="default" if layout.jagged is None else "none")
             else:
-                x = layer(x, mask, indices, jagged)
+                x = layer(x, layout)
         return x
 
 
@@ -377,11 +293,23 @@ class BertPooler(nn.Module):
 
 # ----------------------------------------------------------------------------------------------- shared base
 
+M = TypeVar("M", bound="BertPreTrainedModel")
+
+
 class BertPreTrainedModel(nn.Module):
-    """What every class shares: the config, BERT initialisation, tokenizer files, and HF-format loading/saving
-    (implemented in `bertrain.model.hf`)."""
+    """What every class shares: the config, BERT initialisation, tokenizer files, and HF-format loading/saving."""
 
     config: BertConfig
+
+    if TYPE_CHECKING:  # defined in bertrain.model.hf, which imports this module (never the reverse) and installs them
+        @classmethod
+        def from_pretrained(cls: type[M], path: str | os.PathLike, **kwargs: Any) -> M:
+            """Load an HF-format folder or a bertrain checkpoint folder; missing heads are initialised and
+            reported. Keyword arguments override config fields (e.g. hidden_dropout_prob=0.0); `num_labels` for
+            classification."""
+
+        def save_pretrained(self, path: str | os.PathLike) -> None:
+            """Write config.json, model.safetensors (HF key names) and the tokenizer files into `path`."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -419,80 +347,6 @@ class BertPreTrainedModel(nn.Module):
             n -= extra * self.config.hidden_size + extra * has_decoder_bias
         return n
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any):
-        """Load an HF-format folder or a bertrain checkpoint folder; missing heads are initialised and reported.
-        Keyword arguments override config fields (e.g. hidden_dropout_prob=0.0); `num_labels` for classification."""
-        from bertrain.model.hf import load_pretrained
-        return load_pretrained(cls, path, **kwargs)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json, model.safetensors (HF key names) and the tokenizer files into `path`."""
-        from bertrain.model.hf import save_pretrained
-        save_pretrained(self, path)
-
-
-def _attention_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, T) 1 = token, 0 = padding -> (B, 1, 1, T) bool for SDPA, True = attend."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.bool()
-    # A row with no real token at all would make softmax over nothing -> NaN; let such rows attend everywhere.
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None, None, :]
-
-
-class _Gather(torch.autograd.Function):
-    """x[indices] along dim 0, indices unique: the backward scatters with index_put (a copy), not index_add
-    (an accumulation, several times slower on CPU). As flash-attn's bert_padding.IndexFirstAxis."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(indices)
-        ctx.rows = x.size(0)
-        return x.index_select(0, indices)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (indices,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_put_((indices,), grad), None
-
-
-class _Scatter(torch.autograd.Function):
-    """A zero (rows, ...) tensor with x written at `indices` (unique) along dim 0; backward gathers."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.save_for_backward(indices)
-        return x.new_zeros(rows, *x.shape[1:]).index_put_((indices,), x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (indices,) = ctx.saved_tensors
-        return grad.index_select(0, indices), None, None
-
-
-def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """(R, ...) -> (N, ...): the rows `indices` (unique), e.g. the real tokens of a flattened padded batch."""
-    return _Gather.apply(x, indices)
-
-
-def scatter_rows(x: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
-    """(N, ...) -> (rows, ...): zeros with x's rows at `indices` (unique); the inverse of gather_rows."""
-    return _Scatter.apply(x, indices, rows)
-
-
-def unpad_indices(attention_mask: torch.Tensor, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """For unpadding: the flat indices (N,) of the real tokens in the (B, T') grid, and that grid's (B, T') mask,
-    T' = the last column holding a real token, rounded up to `multiple` (bounded shapes for kernels and compile).
-    One host sync (the number of real tokens)."""
-    mask = attention_mask.bool()
-    T = mask.size(1)
-    last = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
-    T = min(T, -(-last // multiple) * multiple)
-    mask = mask[:, :T]
-    return mask.reshape(-1).nonzero().squeeze(1), mask
-
 
 class BertModel(BertPreTrainedModel):
     """The encoder: embeddings, `num_hidden_layers` post-LN layers and (optionally) the pooler."""
@@ -502,62 +356,29 @@ class BertModel(BertPreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
-        # Used by the heads whose outputs do not depend on padding positions (pretraining with masked_positions,
-        # classification): run unpadded. Set False to force the padded path everywhere.
-        self.unpad = True
-        # Unpadded runs: attention on nested (jagged) tensors instead of re-padding to (B, T', 3H) around SDPA.
-        self.jagged_attention = False
+        # Speed options, read by `forward` and the heads; `apply_model_options` sets them (these are its defaults).
+        self.unpad = True                    # heads run unpadded where no output depends on padding
+        self.jagged_attention = False        # unpadded runs: attention on nested (jagged) tensors
+        self.gradient_checkpointing = False  # recompute each layer's activations in the backward pass
         self.init_weights()
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        """Recompute every layer's activations in the backward pass (less memory, ~1/3 more compute)."""
-        return self.encoder.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, value: bool) -> None:
-        self.encoder.gradient_checkpointing = bool(value)
-
-    def compile_layers(self, **kwargs: Any) -> None:
-        """torch.compile every encoder layer in place. Shapes are dynamic (the token count N and the padded length
-        T' are symbolic), so one graph serves every batch; T' is a multiple of 8, which bounds specialisations."""
-        kwargs.setdefault("dynamic", True)
-        for layer in self.encoder.layer:
-            layer.compile(**kwargs)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, unpad: bool = False) -> BertModelOutput:
         """unpad=True: compute on the real tokens only (see the module docstring); the outputs at real tokens are
         those of the padded path, `last_hidden_state` is 0 at padding positions (the padded path gives values there
         that depend on the padding and that nothing should use)."""
-        if input_ids.size(1) > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {input_ids.size(1)} exceeds max_position_embeddings "
+        B, T = input_ids.shape
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        if unpad and attention_mask is not None and not bool(attention_mask.bool().all()):
-            h = self._forward_unpadded(input_ids, token_type_ids, attention_mask)
-        else:
-            x = self.embeddings(input_ids, token_type_ids)              # (B, T, H)
-            h = self.encoder(x, _attention_mask(attention_mask))         # (B, T, H)
+        layout = attention_layout(attention_mask, unpad=unpad, jagged=self.jagged_attention)
+        x = self.embeddings(layout.flatten(input_ids), layout.flatten(token_type_ids),
+                            layout.position_ids(input_ids))               # (B, T, H), or (N, H) unpadded
+        x = self.encoder(x, layout, self.gradient_checkpointing)          # (B, T, H), or (N, H) unpadded
+        h = layout.to_padded(x, T)                                         # (B, T, H)
         return BertModelOutput(last_hidden_state=h, pooler_output=self.pooler(h) if self.pooler else None)
-
-    def _forward_unpadded(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
-                          attention_mask: torch.Tensor) -> torch.Tensor:
-        B, T = input_ids.shape
-        indices, mask = unpad_indices(attention_mask)                    # (N,), (B, T')
-        Tp = mask.size(1)
-        positions = torch.arange(Tp, device=input_ids.device).repeat(B)  # (B*T',)
-        flat = lambda t: t[:, :Tp].reshape(-1).index_select(0, indices)  # (B, T) -> (N,)
-        x = self.embeddings(flat(input_ids), flat(token_type_ids), positions.index_select(0, indices))  # (N, H)
-        lengths = mask.sum(1) if self.jagged_attention else None        # (B,)
-        if lengths is not None and bool(lengths.all()):  # (a sequence without tokens: padded attention)
-            offsets = F.pad(lengths.cumsum(0), (1, 0))
-            x = self.encoder(x, None, None, Jagged(offsets, int(lengths.max())))  # (N, H)
-        else:
-            x = self.encoder(x, _attention_mask(mask), indices)          # (N, H)
-        h = scatter_rows(x, indices, B * Tp).view(B, Tp, -1)            # (B, T', H), 0 on padding
-        return F.pad(h, (0, 0, 0, T - Tp)) if Tp < T else h             # (B, T, H)
 
 
 # ----------------------------------------------------------------------------------------------- heads
@@ -595,14 +416,6 @@ class BertPreTrainingHeads(nn.Module):
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
 
-def _mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over labels != -100, and 0 (not NaN) when every label is -100. The zero still
-    depends on `logits`, so every parameter gets a (zero) gradient, which DDP needs."""
-    labels = labels.reshape(-1)
-    total = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=-100, reduction="sum")
-    return total / (labels != -100).sum().clamp(min=1)
-
-
 class BertForPreTraining(BertPreTrainedModel):
     """BERT with the masked-LM and next-sentence-prediction heads."""
 
@@ -629,8 +442,10 @@ class BertForPreTraining(BertPreTrainedModel):
         prediction_logits = self.cls.predictions(h, decoder_weight)        # (B, T or P, V)
         seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
 
-        mlm_loss = _mean_ce(prediction_logits, labels) if labels is not None else None
-        nsp_loss = _mean_ce(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
+        # Local means of the trainer's loss sums (HF's convention): sum over targets != -100 / their count.
+        sums = pretraining_loss_sums(prediction_logits, seq_relationship_logits, labels, next_sentence_label)
+        mlm_loss = mean_from_sums(sums["mlm_loss_sum"], sums["mlm_count"]) if labels is not None else None
+        nsp_loss = mean_from_sums(sums["nsp_loss_sum"], sums["nsp_count"]) if next_sentence_label is not None else None
         losses = [loss for loss in (mlm_loss, nsp_loss) if loss is not None]
         return BertForPreTrainingOutput(loss=torch.stack(losses).sum() if losses else None, mlm_loss=mlm_loss,
                                         nsp_loss=nsp_loss, prediction_logits=prediction_logits,
@@ -658,30 +473,28 @@ class BertForSequenceClassification(BertPreTrainedModel):
         logits = self.classifier(self.dropout(pooled))                    # (B, num_labels)
         loss = None
         if labels is not None:
-            if self.num_labels == 1:
-                loss = F.mse_loss(logits.view(-1).float(), labels.view(-1).float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.view(-1))
+            sums = classification_loss_sums(logits, labels)
+            loss = mean_from_sums(sums["loss_sum"], sums["count"])
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
-    """Span extraction (SQuAD): a start and an end logit for every token. No pooler, as in HF."""
+    """Span extraction (SQuAD): a start and an end logit for every token. No pooler, as in HF.
+
+    Unpadded (`bert.unpad`) only outside training: HF's loss puts the padding positions' logits (computed from the
+    padding's hidden states) into its softmax, so training keeps them; for inference the padding positions get a
+    logit of -10000 instead, which leaves every prediction unchanged (answers never start or end on padding)."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.bert = BertModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        # Off by default: HF's logits at padding positions come from the padding's hidden states and enter the
-        # loss's softmax. True (inference, benchmarks): run unpadded and give padding positions a logit of -10000,
-        # which leaves every prediction unchanged (answers never start or end on padding).
-        self.unpad = False
         self.init_weights(self.qa_outputs)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
                 end_positions: torch.Tensor | None = None) -> QuestionAnsweringOutput:
-        unpad = self.unpad and attention_mask is not None
+        unpad = self.bert.unpad and not self.training and attention_mask is not None
         h = self.bert(input_ids, token_type_ids, attention_mask, unpad=unpad).last_hidden_state  # (B, T, H)
         logits = self.qa_outputs(h)                                        # (B, T, 2)
         if unpad:
@@ -689,16 +502,12 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         start_logits, end_logits = logits.unbind(dim=-1)                   # 2 x (B, T)
         loss = None
         if start_positions is not None and end_positions is not None:
-            # As HF: positions outside the sequence are clamped to T and ignored; loss = (CE_start + CE_end) / 2.
-            T = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, T)
-            end = end_positions.view(-1).clamp(0, T)
-            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=T)
-                    + F.cross_entropy(end_logits.float(), end, ignore_index=T)) / 2
+            # As HF: positions outside the sequence are ignored; loss = (CE_start + CE_end) / 2.
+            sums = qa_loss_sums(start_logits, end_logits, start_positions, end_positions)
+            loss = mean_from_sums(sums["loss_sum"], sums["count"])
         return QuestionAnsweringOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
 
 
 MODEL_CLASSES: dict[str, type[BertPreTrainedModel]] = {
     c.__name__: c for c in (BertModel, BertForPreTraining, BertForSequenceClassification, BertForQuestionAnswering)
 }
-

@@ -7,12 +7,17 @@ are padded to a multiple of 8. So the whole key map (torchtitan's "state dict ad
     embeddings.word_embeddings.weight, cls.predictions.bias: padded rows  <->  the first vocab_size rows
 
 `to_hf_state_dict` / `from_hf_state_dict` apply them to any dict of tensors (parameters, or their gradients).
-Around them: reading HF folders written by any transformers version or converted from Google's checkpoints
-(`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style `gamma`/`beta`), and
-writing folders that `transformers` loads without a missing-weight warning.
+Around them: config.json in both directions, reading HF folders written by any transformers version or converted
+from Google's checkpoints (`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style
+`gamma`/`beta`), and writing folders that `transformers` loads without a missing-weight warning.
+
+This module imports `bertrain.model.bert`, never the reverse: the model knows nothing about files. The model
+classes' `from_pretrained` / `save_pretrained` methods are `load_pretrained` / `save_pretrained` below, installed
+on `BertPreTrainedModel` at the end of this module (`bertrain.model` imports it, so any model import has them).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file as load_safetensors, save as save_safetensors
 from torch import nn
 
 from bertrain.model.bert import (
@@ -54,6 +60,60 @@ _BASE_ROOTS = ("embeddings.", "encoder.", "pooler.")
 # Groups of keys a checkpoint may lack; reported by name when initialised.
 HEADS = {"pooler": "pooler.", "MLM head": "cls.predictions.", "NSP head": "cls.seq_relationship.",
          "classification head": "classifier.", "QA head": "qa_outputs."}
+
+
+# ----------------------------------------------------------------------------------------------- config.json
+
+def config_from_hf_dict(data: dict[str, Any]) -> BertConfig:
+    """A `BertConfig` from a config.json-style dict: known fields are taken, HF bookkeeping keys ignored, and keys
+    that would change the architecture into something this model is not (another model_type, relative positions,
+    a decoder) are rejected."""
+    if data.get("model_type", "bert") != "bert":
+        raise ValueError(f"model_type = {data['model_type']!r}: only 'bert' models are supported")
+    if data.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type = {data['position_embedding_type']!r}: only 'absolute'")
+    for key in ("is_decoder", "add_cross_attention"):
+        if data.get(key):
+            raise ValueError(f"{key} = {data[key]!r}: only encoder BERT models are supported")
+    if "embedding_size" in data and data["embedding_size"] != data.get("hidden_size"):
+        raise ValueError(f"embedding_size = {data['embedding_size']!r}: factorised embeddings are not BERT")
+    names = {f.name for f in dataclasses.fields(BertConfig)}
+    return BertConfig(**{k: v for k, v in data.items() if k in names})
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object of an HF or Google `config.json`; errors name the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: config file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def config_from_json_file(path: str | os.PathLike) -> BertConfig:
+    """Read an HF or Google `config.json` (unrelated keys such as `architectures` are ignored)."""
+    return _config_of(path, read_config_json(path))
+
+
+def _config_of(path: str | os.PathLike, data: dict[str, Any]) -> BertConfig:
+    try:
+        return config_from_hf_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def config_to_hf_dict(config: BertConfig, architectures: list[str] | None = None) -> dict[str, Any]:
+    """The config.json that `transformers.BertConfig` reads (vocabulary padding is internal: not written)."""
+    d: dict[str, Any] = {"architectures": architectures or ["BertForPreTraining"], "model_type": "bert"}
+    d.update(dataclasses.asdict(config))
+    del d["pad_vocab_size_multiple"]
+    d.update(position_embedding_type="absolute", tie_word_embeddings=True)
+    return d
 
 
 # ----------------------------------------------------------------------------------------------- the key map
@@ -122,8 +182,7 @@ def find_config_file(path: Path) -> Path:
 def _load_weights_file(f: Path) -> dict[str, torch.Tensor]:
     try:
         if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(str(f))
+            return load_safetensors(str(f))
         sd = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt/truncated files: name the file
         raise ValueError(f"{f}: cannot read weights: {e}") from None
@@ -195,11 +254,13 @@ def read_tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
 
 
 def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **kwargs: Any) -> BertPreTrainedModel:
-    """`cls.from_pretrained(path, **kwargs)`: see `BertPreTrainedModel.from_pretrained`."""
+    """`cls.from_pretrained(path, **kwargs)`: load an HF-format folder or a bertrain checkpoint folder; missing
+    heads are initialised and reported. Keyword arguments override config fields (e.g. hidden_dropout_prob=0.0);
+    `num_labels` for classification."""
     path = Path(path)
     config_file = find_config_file(path)
-    config = BertConfig.from_json_file(config_file)  # validates, naming the file
-    raw_config = json.loads(config_file.read_text(encoding="utf-8"))
+    raw_config = read_config_json(config_file)
+    config = _config_of(config_file, raw_config)  # validates, naming the file
     num_labels = kwargs.pop("num_labels", None)
     if num_labels is not None and cls is not BertForSequenceClassification:
         raise TypeError(f"{cls.__name__}.from_pretrained: num_labels is only for BertForSequenceClassification")
@@ -333,7 +394,7 @@ def tokenizer_files_from_vocab(vocab_file: str | os.PathLike, do_lower_case: boo
 
 def hf_config_dict(model: BertPreTrainedModel) -> dict[str, Any]:
     """config.json for `model`: the BERT fields, its class as the architecture, labels for classification."""
-    d = model.config.to_hf_dict([type(model).__name__])
+    d = config_to_hf_dict(model.config, [type(model).__name__])
     if isinstance(model, BertForSequenceClassification):
         id2label = getattr(model, "id2label", None) or {i: f"LABEL_{i}" for i in range(model.num_labels)}
         d["id2label"] = {str(i): label for i, label in sorted(id2label.items())}
@@ -346,8 +407,6 @@ def hf_config_dict(model: BertPreTrainedModel) -> dict[str, Any]:
 def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None:
     """Write an HF folder into `path` (created if needed; other files in it are left alone, so a trainer can add
     its own). Each file is written atomically; config.json last."""
-    from safetensors.torch import save as save_safetensors
-
     path = Path(path)
     files = dict(getattr(model, "tokenizer_files", {}) or {})
     if "vocab.txt" in files and vocab_size_of(files["vocab.txt"]) != model.config.vocab_size:
@@ -363,3 +422,13 @@ def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None
     for name, data in files.items():
         atomic_write_bytes(path / name, data)
     atomic_write_json(path / "config.json", hf_config_dict(model))
+
+
+# ----------------------------------------------------------------------------------------------- the model API
+
+# The model classes load and save through this module; bert.py declares these methods for readers and type
+# checkers but cannot define them without importing this module, which would make a cycle.
+BertPreTrainedModel.from_pretrained = classmethod(load_pretrained)  # type: ignore[method-assign, assignment]
+BertPreTrainedModel.save_pretrained = save_pretrained  # type: ignore[method-assign]
+# The former spelling of config_from_json_file, still used by callers outside the model package.
+BertConfig.from_json_file = staticmethod(config_from_json_file)  # type: ignore[attr-defined]
