@@ -336,16 +336,17 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict
 # ----------------------------------------------------------------------------------------------- stage 2
 
 def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe_factor: int, pool, workers: int,
-                           require_complete: bool = True, block_batch: int = 2048) -> int:
+                           block_batch: int = 2048) -> int:
     """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count.
 
-    `pool`: a `_pool` of `workers` processes (or None: build in this process)."""
+    `data_dir`: the folder being built (its token store is written, stats.json is not yet). `pool`: a `_pool` of
+    `workers` processes (or None: build in this process)."""
     out = data_dir / static_dir_name(sample, seed, dupe_factor)
     if (out / "instances.json").is_file():
         meta = json.loads((out / "instances.json").read_text(encoding="utf-8"))
         logger.info("static instances %s already complete", out.name)
         return int(meta["num_instances"])
-    store = TokenStore(data_dir, verify=False, require_complete=require_complete)
+    store = TokenStore(data_dir, verify=False, require_complete=False)
     builder = InstanceBuilder(store, sample, seed)  # builds and caches the blocks, which the workers then load
     n_blocks = builder.n_blocks
     dtype = np.dtype(np.uint16) if max(store.vocab_size, sample.max_seq_length) < 65536 else np.dtype(np.uint32)
@@ -406,8 +407,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         t_tok = time.perf_counter() - t0
         num_instances = None
         if cfg.masking == "static":
-            num_instances = write_static_instances(work, cfg.sample, cfg.seed, cfg.dupe_factor, pool, workers,
-                                                   require_complete=False)
+            num_instances = write_static_instances(work, cfg.sample, cfg.seed, cfg.dupe_factor, pool, workers)
     finally:
         _end_pool(pool)
     seconds = time.perf_counter() - t0
