@@ -87,7 +87,6 @@ def main() -> None:
         stage_breakdown([args.input] * max(args.repeat), args.vocab_file)
 
 
-
 def extract_text(path: str) -> str:
     """The input's documents as cleaned by `prepare` (sentences on lines, documents separated by blank lines) in a
     temporary text file, named like the input."""

@@ -104,7 +104,6 @@ def _uniform(keys: np.ndarray, slot: int | np.ndarray) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-
 # ----------------------------------------------------------------------------------------------- config
 
 @dataclass
