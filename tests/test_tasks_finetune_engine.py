@@ -80,7 +80,7 @@ def _losses(out: Path) -> dict[int, float]:
 def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path], task: str) -> None:
     """Dropout on, so the RNG state of the killed run must be restored exactly too."""
     data = _data(task, tmp_path / "data")
-    steps, kill_after = 200, 6
+    steps, kill_after = 80, 6
     ckpt = ["--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _run(_argv(task, data, models["dropout"], straight, steps, *ckpt))
@@ -157,14 +157,18 @@ def test_resume_is_one_option_for_every_training_command() -> None:
     from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig
     from bertrain.tasks.pretraining import PretrainConfig
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices
-    ft = next(a for a in sub["finetune"]._actions if a.dest == "ft_task").choices
-    actions = [next(a for a in p._actions if a.dest == "resume") for p in (sub["pretrain"], ft["glue"], ft["squad"])]
+    def sub_parser(*names: str):
+        p = build_parser([names[0]])  # fills the named command's parser only
+        for name, dest in zip(names, ("command", "ft_task")):
+            p = next(a for a in p._actions if a.dest == dest).choices[name]
+        return p
+
+    actions = [next(a for a in sub_parser(*names)._actions if a.dest == "resume")
+               for names in (("pretrain",), ("finetune", "glue"), ("finetune", "squad"))]
     assert {(tuple(a.option_strings), a.metavar, a.help, a.default) for a in actions} == {
         (("--resume",), "auto|PATH", actions[0].help, None)}
     for cls in (PretrainConfig, GlueFinetuneConfig, SquadFinetuneConfig):
         assert "resume" not in {f.name for f in cls.__dataclass_fields__.values()}
-    args = parser.parse_args(["finetune", "glue", "--task", "rte", "--data-dir", ".", "--init", ".", "--output",
+    args = build_parser(["finetune"]).parse_args(["finetune", "glue", "--task", "rte", "--data-dir", ".", "--init", ".", "--output",
                               "o", "--resume", "auto"])
     assert args.resume == "auto"
