@@ -21,7 +21,11 @@ from typing import Any, Iterable, Iterator, TextIO
 import numpy as np
 import torch
 
+from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
+from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
+                              postprocess_predictions)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +47,6 @@ class Predictor:
 
     def __init__(self, model_dir: str | os.PathLike, task: str | None = None, device: str | torch.device = "cpu",
                  batch_size: int = 32, max_seq_length: int | None = None) -> None:
-        from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
-        from bertrain.model.hf import model_class_for
-
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
@@ -100,9 +101,6 @@ class Predictor:
 
         For a SQuAD v2.0 model the answer is "" when the null score wins (`null_score_diff` says by how much).
         """
-        from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
-                                          postprocess_predictions)
-
         if self.task != "qa":
             raise ValueError(f"{self.model_dir} is a {self.task} model, not a QA model")
         if not items:
