@@ -25,7 +25,7 @@ from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassif
 from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
-                              postprocess_predictions)
+                                  postprocess_predictions)
 
 log = logging.getLogger(__name__)
 
