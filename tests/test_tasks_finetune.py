@@ -123,6 +123,7 @@ def _gather_worker(rank: int, world: int, n: int, out_dir: str) -> None:
         cleanup()
 
 
+@pytest.mark.slow
 def test_distributed_eval_two_processes_no_duplicates(tmp_path):
     n = 7  # not a multiple of the world size: the sampler pads rank 1 with a duplicate
     spawn(_gather_worker, 2, n, str(tmp_path))
@@ -253,6 +254,7 @@ def test_resume_reproduces_straight_run(tmp_path, tiny_model, capsys):
     assert steps == [1, 2, 3, 4]  # the resumed run appends after its checkpoint, no step twice
 
 
+@pytest.mark.slow
 def test_distributed_finetune_two_ranks(tmp_path, tiny_model):
     """`bertrain finetune glue` on 2 gloo ranks: every dev and test example scored exactly once."""
     data = write_rte_like(tmp_path / "RTE", n_dev=11, n_test=7)
@@ -286,6 +288,7 @@ def test_bad_config_and_data_errors(tmp_path, tiny_model, capsys):
 
 # ----------------------------------------------------------------------------------------------- real weights
 
+@pytest.mark.slow
 def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, capsys):
     """The real weights on a slice of the real MRPC (first 48 train / 64 dev lines, copied to a temp folder with
     their header and byte-order mark): fine-tune 3 steps, evaluate, export, predict."""

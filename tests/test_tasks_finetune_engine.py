@@ -83,8 +83,10 @@ def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path]
     steps, kill_after = 80, 6
     ckpt = ["--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _run(_argv(task, data, models["dropout"], straight, steps, *ckpt))
-
+    # the straight run and the run to kill go side by side (one thread each: the same numbers as alone)
+    straight_proc = subprocess.Popen([sys.executable, "-m", "bertrain", *_argv(task, data, models["dropout"],
+                                                                               straight, steps, *ckpt)],
+                                     env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen([sys.executable, "-m", "bertrain", *_argv(task, data, models["dropout"], killed, steps,
                                                                       *ckpt)],
                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -97,6 +99,8 @@ def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path]
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / f"step-{steps}").exists() and not (killed / "final").exists()
+    _, err = straight_proc.communicate(timeout=600)
+    assert straight_proc.returncode == 0, err[-3000:]
 
     r = _run(_argv(task, data, models["dropout"], killed, steps, *ckpt, "--resume", "auto"))
     assert "resumed from" in r.stderr
