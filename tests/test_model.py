@@ -120,7 +120,6 @@ def test_from_json_file_reads_hf_configs_and_rejects_nonsense(tmp_path):
     f.write_text(json.dumps(hf))
     cfg = config_from_json_file(f)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.hidden_act, cfg.hidden_dropout_prob) == (1234, 48, "gelu_new", 0.0)
-    assert BertConfig.from_json_file(f) == cfg  # the former spelling, still used outside the model package
     for bad, key in [({"num_attention_heads": 5}, "hidden_size"), ({"vocab_size": "many"}, "vocab_size"),
                      ({"model_type": "roberta"}, "model_type"), ({"attention_probs_dropout_prob": 2}, "attention"),
                      ({"position_embedding_type": "relative_key"}, "position_embedding_type")]:

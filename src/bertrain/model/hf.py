@@ -430,5 +430,3 @@ def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None
 # checkers but cannot define them without importing this module, which would make a cycle.
 BertPreTrainedModel.from_pretrained = classmethod(load_pretrained)  # type: ignore[method-assign, assignment]
 BertPreTrainedModel.save_pretrained = save_pretrained  # type: ignore[method-assign]
-# The former spelling of config_from_json_file, still used by callers outside the model package.
-BertConfig.from_json_file = staticmethod(config_from_json_file)  # type: ignore[attr-defined]

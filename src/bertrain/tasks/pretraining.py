@@ -26,7 +26,7 @@ from bertrain.data.samples import SampleConfig
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab, train_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.hf import tokenizer_files_from_vocab
+from bertrain.model.hf import config_from_json_file, tokenizer_files_from_vocab
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, _check_all, _positive
@@ -252,7 +252,7 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
         log.info("initialised weights from %s (weights only; optimizer and schedule start fresh)", m.init)
     else:
         if m.preset.endswith(".json") or Path(m.preset).is_file():
-            config = BertConfig.from_json_file(m.preset)
+            config = config_from_json_file(m.preset)
             if config.vocab_size != vocab_size:
                 raise ValueError(f"config key 'model.preset': {m.preset} has vocab_size {config.vocab_size} but the "
                                  f"data's vocabulary has {vocab_size} entries")
