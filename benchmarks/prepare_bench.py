@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bertrain.data.prepare import PrepareConfig, prepare
-from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
+from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
 
 DEFAULT_VOCAB = None
 try:  # the real uncased 30522-token BERT vocab when installed, else our tiny test vocab
@@ -92,7 +92,7 @@ def extract_text(path: str) -> str:
     temporary text file, named like the input."""
     out = Path(tempfile.mkdtemp()) / (Path(path).name.split(".")[0] + "-extracted.txt")
     with open(out, "w", encoding="utf-8") as f:
-        for doc in iter_documents([path], CorpusOptions(), SkipReport()):
+        for doc in iter_documents([path], CorpusConfig(), SkipReport()):
             f.write("\n".join(doc.sentences) + "\n\n")
     return str(out)
 

@@ -20,7 +20,7 @@ from bertrain.bench.batches import pretraining_batch
 from bertrain.bench.steps import SplitQKV, bench_optimizer, build_hf, make_train_step, pretrain_forward, split_qkv
 from bertrain.bench.timing import Side, time_interleaved
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.train.optim import Lamb, param_groups
 
 
@@ -42,7 +42,7 @@ def training_variants(args: argparse.Namespace) -> dict:
         inner = {m: make_train_step(model, f, opt, device, args.precision) for m, f in ((True, fwd_masked),
                                                                                      (False, fwd_full))}
 
-        options = ModelOptions(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt)
+        options = ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt)
 
         def step() -> None:
             apply_model_options(model, options)

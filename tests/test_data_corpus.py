@@ -10,7 +10,7 @@ import pytest
 
 from bertrain.data import readers
 from bertrain.data.cleaning import clean_document, clean_documents, split_sentences
-from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents, iter_raw_documents, resolve_inputs
+from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents, iter_raw_documents, resolve_inputs
 from bertrain.data.wikitext import strip_wiki_markup
 from conftest import shared_file
 
@@ -19,7 +19,7 @@ MARKUP = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref")
 
 def read(paths, **opts):
     report = SkipReport()
-    docs = list(iter_documents([str(p) for p in paths], CorpusOptions(**opts), report))
+    docs = list(iter_documents([str(p) for p in paths], CorpusConfig(**opts), report))
     return docs, report
 
 
@@ -102,7 +102,7 @@ def test_batched_cleaning_equals_one_document_at_a_time(ascii_only):
 
 @pytest.mark.parametrize("rel", ["text/tiny-shakespeare.txt", "wiki/enwiki-sample-pages-articles.xml.bz2"])
 def test_batched_cleaning_equals_one_document_at_a_time_on_real_corpora(rel):
-    raws = list(iter_raw_documents([str(shared_file(rel))], CorpusOptions(), SkipReport()))
+    raws = list(iter_raw_documents([str(shared_file(rel))], CorpusConfig(), SkipReport()))
     kind = raws[0].kind
     texts = [r.text for r in raws]
     batched = [s for i in range(0, len(texts), 700) for s in clean_documents(texts[i:i + 700], kind)]
@@ -236,7 +236,7 @@ def test_iter_documents_batching_changes_nothing(tmp_path):
     results = []
     for batch_chars in (1, 1 << 18):
         report = SkipReport()
-        docs = list(iter_documents(inputs, CorpusOptions(dedupe=True), report, batch_chars=batch_chars))
+        docs = list(iter_documents(inputs, CorpusConfig(dedupe=True), report, batch_chars=batch_chars))
         results.append(([(d.sentences, d.source) for d in docs], report.to_dict(), report.documents))
     assert results[0] == results[1]
     assert results[0][2] > 50 and "duplicate_documents" in str(results[0][1]) and "short_documents" in str(results[0][1])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
+from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
 from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer
 from conftest import shared_file
 
@@ -76,7 +76,7 @@ def test_word_cache_cleared_while_a_text_still_needs_its_words():
 
 @lru_cache(maxsize=None)
 def corpus_sentences(path: str) -> list[str]:
-    return [s for d in iter_documents([path], CorpusOptions(), SkipReport()) for s in d.sentences]
+    return [s for d in iter_documents([path], CorpusConfig(), SkipReport()) for s in d.sentences]
 
 
 @pytest.mark.parametrize("rel", ["text/tiny-shakespeare.txt", "wiki/enwiki-sample-pages-articles.xml.bz2"])

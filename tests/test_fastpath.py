@@ -15,7 +15,7 @@ from bertrain.bench.batches import pretraining_batch, qa_batch
 from bertrain.bench.steps import SplitQKV, split_qkv
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
                                  BertForSequenceClassification, BertModel)
-from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.model.unpad import Jagged, gather_rows, scatter_rows, unpad_indices
 from bertrain.train.optim import Lamb
 
@@ -36,7 +36,7 @@ def tiny(dropout: float = 0.0) -> BertConfig:
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
                  ckpt: bool = False, seed: int = 0, jagged: bool = False):
     model.zero_grad(set_to_none=True)
-    apply_model_options(model, ModelOptions(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt))
+    apply_model_options(model, ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt))
     x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
              next_sentence_label=b["next_sentence_labels"])
     if masked:
@@ -155,7 +155,7 @@ def test_jagged_attention_general_masks(empty_row, monkeypatch):
         mask[2] = 0
     ids = ids * mask
     ref = model(ids, attention_mask=mask).last_hidden_state
-    apply_model_options(model, ModelOptions(jagged_attention=True))
+    apply_model_options(model, ModelOptionsConfig(jagged_attention=True))
     calls = count_nests(monkeypatch)
     out = model(ids, attention_mask=mask, unpad=True).last_hidden_state
     assert calls[0] == (0 if empty_row else 3 * tiny().num_hidden_layers)
@@ -196,7 +196,7 @@ def test_unpadded_classification_equals_padded(dev):
     results = []
     for unpad in (False, True):
         model.zero_grad(set_to_none=True)
-        apply_model_options(model, ModelOptions(unpad=unpad))
+        apply_model_options(model, ModelOptionsConfig(unpad=unpad))
         out = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=labels)
         out.loss.backward()
         results.append((out.logits, grads(model)))
@@ -215,7 +215,7 @@ def test_question_answering_unpads_only_outside_training(monkeypatch):
     y = dict(start_positions=b["start_positions"], end_positions=b["end_positions"])
     results = {}
     for unpad in (False, True):
-        apply_model_options(model, ModelOptions(unpad=unpad))
+        apply_model_options(model, ModelOptionsConfig(unpad=unpad))
         model.zero_grad(set_to_none=True)
         model.train()
         out = model(**x, **y)
@@ -261,7 +261,7 @@ def test_bf16_autocast_unpadded_close_to_padded(batch):
     model = BertForPreTraining(tiny())
     outs = []
     for unpad in (False, True):
-        apply_model_options(model, ModelOptions(unpad=unpad))
+        apply_model_options(model, ModelOptionsConfig(unpad=unpad))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs.append(model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                               masked_positions=batch["masked_positions"], labels=batch["masked_labels"]).loss)
@@ -304,7 +304,7 @@ def test_compiled_layers_equal_eager(batch, jagged):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny())
     ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=jagged)
-    apply_model_options(model, ModelOptions(jagged_attention=jagged, compile=True))
+    apply_model_options(model, ModelOptionsConfig(jagged_attention=jagged, compile=True))
     out, g = pretrain_run(model, batch, unpad=True, jagged=jagged)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     for k in g_ref:

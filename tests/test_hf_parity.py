@@ -12,7 +12,7 @@ import torch
 
 from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
 from bertrain.model.hf import to_hf_state_dict
-from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.options import ModelOptionsConfig, apply_model_options
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,7 +168,7 @@ def test_question_answering_parity_tiny(tmp_path, options):
         ours = BertForQuestionAnswering.from_pretrained(path, hidden_dropout_prob=0.0,
                                                         attention_probs_dropout_prob=0.0).train()
     else:
-        ours = apply_model_options(BertForQuestionAnswering.from_pretrained(path), ModelOptions(unpad=False)).eval()
+        ours = apply_model_options(BertForQuestionAnswering.from_pretrained(path), ModelOptionsConfig(unpad=False)).eval()
     assert ours.bert.pooler is None  # as HF: no pooler weights to miss or to leave unused
     x = batch()
     start, end = torch.tensor([3, 1, 50]), torch.tensor([5, 2, 60])  # the last is out of range: clamped, ignored

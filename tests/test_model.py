@@ -16,7 +16,7 @@ from bertrain.model.bert import PRESETS
 from bertrain.model.hf import config_from_hf_dict, config_from_json_file, config_to_hf_dict
 from bertrain.model.losses import (classification_loss_sums, mean_from_sums, pretraining_loss_sums,
                                    qa_loss_sums)
-from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.options import ModelOptionsConfig, apply_model_options
 
 V = 101  # a small vocabulary that is not a multiple of 8
 
@@ -62,7 +62,7 @@ def test_parameter_counts_match_bert_paper_and_hf():
 
 
 def test_tiny_preset_learns_one_batch_on_the_padding_free_path(monkeypatch):
-    """The tiny preset as the trainer runs it (default ModelOptions: unpadded, masked-position MLM head) must
+    """The tiny preset as the trainer runs it (default ModelOptionsConfig: unpadded, masked-position MLM head) must
     overfit one batch: catches broken gradients or loss wiring anywhere on the path pretraining really takes."""
     layouts = []
 
@@ -73,7 +73,7 @@ def test_tiny_preset_learns_one_batch_on_the_padding_free_path(monkeypatch):
     monkeypatch.setattr(bert_module, "attention_layout", spy)
     torch.manual_seed(0)
     cfg = BertConfig.from_preset("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = apply_model_options(BertForPreTraining(cfg), ModelOptions()).train()
+    model = apply_model_options(BertForPreTraining(cfg), ModelOptionsConfig()).train()
     b = pretraining_batch(cfg, 4, 32, seed=0)
     assert int(b["attention_mask"].sum()) < b["attention_mask"].numel()  # there is padding to skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

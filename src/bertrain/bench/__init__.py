@@ -23,6 +23,6 @@ Method (the same in `bertrain bench`, `benchmarks/*.py` and BENCHMARKS.md):
   malloc's allocated bytes (glibc `mallinfo2`; RSS from /proc/self/statm where it is missing), sampled every 2 ms by
   a thread in an extra untimed step, minus the value before it.
 """
-from bertrain.bench.run import BenchOptions, format_table, run_bench
+from bertrain.bench.run import BenchConfig, format_table, run_bench
 
-__all__ = ["BenchOptions", "format_table", "run_bench"]
+__all__ = ["BenchConfig", "format_table", "run_bench"]

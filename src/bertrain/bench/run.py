@@ -14,14 +14,14 @@ from bertrain.bench.steps import (DTYPES, bench_optimizer, build_hf, make_infere
                                   optimizer_form, pretrain_forward, qa_forward, split_qkv)
 from bertrain.bench.timing import Side, matmul_peak, time_interleaved
 from bertrain.model.bert import BertConfig, BertForPreTraining, BertForQuestionAnswering
-from bertrain.model.options import ModelOptions, apply_model_options
+from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 
 MODES = ("pretrain", "finetune", "inference")
 
 
 @dataclass
-class BenchOptions:
+class BenchConfig:
     """What to measure; every field has a `bertrain bench` flag of the same name."""
 
     model: str = "base"
@@ -77,13 +77,13 @@ class BenchOptions:
         warmup = self.warmup if self.warmup is not None else (5 if self.on_cuda else (3 if self.compile else 1))
         return steps, warmup
 
-    def model_options(self) -> ModelOptions:
+    def model_options(self) -> ModelOptionsConfig:
         """Our model's speed options, as the trainer would apply them."""
-        return ModelOptions(unpad=self.unpad, jagged_attention=self.jagged_attention,
+        return ModelOptionsConfig(unpad=self.unpad, jagged_attention=self.jagged_attention,
                             gradient_checkpointing=self.checkpointing, compile=self.compile)
 
 
-def configure_ours(model: nn.Module, mode: str, opts: BenchOptions) -> dict[str, Any]:
+def configure_ours(model: nn.Module, mode: str, opts: BenchConfig) -> dict[str, Any]:
     """Set our model's speed options as `opts` says (through `apply_model_options`, as the trainer does) plus the
     bench's own ablation (`--separate-qkv`); returns what is active."""
     apply_model_options(model, opts.model_options())
@@ -117,7 +117,7 @@ def _summarise(side: Side, batch_size: int, real_tokens: int, flops: float, peak
     }
 
 
-def bench_mode(mode: str, opts: BenchOptions, peak: float) -> dict[str, Any]:
+def bench_mode(mode: str, opts: BenchConfig, peak: float) -> dict[str, Any]:
     """Time ours (and HF with --compare hf) for one mode; returns the per-side summaries and the speedup."""
     device = torch.device(opts.device)
     T, B = opts.seq_len_for(mode), opts.batch_size
@@ -181,7 +181,7 @@ def bench_mode(mode: str, opts: BenchOptions, peak: float) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- the run
 
-def run_bench(opts: BenchOptions) -> dict[str, Any]:
+def run_bench(opts: BenchConfig) -> dict[str, Any]:
     """Everything `bertrain bench` prints: environment, FLOP formula, matmul peak, and one block per mode."""
     if opts.threads:
         torch.set_num_threads(opts.threads)

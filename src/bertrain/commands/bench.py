@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.bench import BenchOptions, format_table, run_bench  # torch: only when run (--help stays instant)
+    from bertrain.bench import BenchConfig, format_table, run_bench  # torch: only when run (--help stays instant)
 
-    opts = BenchOptions(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
+    opts = BenchConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
                         precision=args.precision, mode=args.mode, compare=args.compare, compile=args.compile,
                         steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                         min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,

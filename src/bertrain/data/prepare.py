@@ -32,7 +32,7 @@ from typing import Any, Iterator, Literal
 import numpy as np
 
 from bertrain.data.cleaning import clean_documents
-from bertrain.data.readers import (CorpusOptions, InputFormat, RawDocument, SkipReport, doc_hash, iter_raw_documents,
+from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, doc_hash, iter_raw_documents,
                                    resolve_inputs)
 from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
@@ -100,8 +100,8 @@ class PrepareConfig:
         if errors:
             raise ValueError("; ".join(errors))
 
-    def corpus_options(self) -> CorpusOptions:
-        return CorpusOptions(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
+    def corpus_options(self) -> CorpusConfig:
+        return CorpusConfig(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
                              self.skip_disambiguation)
 
 

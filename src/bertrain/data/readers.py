@@ -2,7 +2,7 @@
 
 Inputs (`resolve_inputs`): files, folders (recursive, sorted), globs, and `builtin:python-docs` (the English text
 of Python's own reference documentation, `pydoc_data.topics`, present on every Python installation). The format
-is chosen by suffix unless `CorpusOptions.input_format` says otherwise; `.bz2`, `.gz` and `.xz` are decompressed
+is chosen by suffix unless `CorpusConfig.input_format` says otherwise; `.bz2`, `.gz` and `.xz` are decompressed
 on the fly:
 
 * `wiki`  (`.xml`, `.xml.bz2`, multistream too): MediaWiki XML dumps (markup stripped by
@@ -50,7 +50,7 @@ MAX_LINE_CHARS = 1 << 20
 
 
 @dataclass
-class CorpusOptions:
+class CorpusConfig:
     """How inputs are read and cleaned (shared by `bertrain vocab` and `bertrain prepare`)."""
 
     input_format: InputFormat = "auto"
@@ -365,7 +365,7 @@ _DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set inde
                        re.IGNORECASE)
 
 
-def _read_wiki(path: str, opts: CorpusOptions, report: SkipReport) -> Iterator[RawDocument]:
+def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport) -> Iterator[RawDocument]:
     """Stream pages out of a MediaWiki XML dump (expat via iterparse; elements are freed as we go)."""
     reader = _CountingReader(_open_binary(path))
     try:
@@ -425,7 +425,7 @@ def _read_builtin_python_docs(report: SkipReport) -> Iterator[RawDocument]:
         yield RawDocument(text, "paragraphs", f"{BUILTIN_PYTHON_DOCS}#{name}")
 
 
-def iter_raw_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport) -> Iterator[RawDocument]:
+def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport) -> Iterator[RawDocument]:
     """Every raw document of every input, in a deterministic order (inputs as given, folders sorted)."""
     for path in resolve_inputs(inputs):
         report.files += 1
@@ -441,7 +441,7 @@ def iter_raw_documents(inputs: list[str], opts: CorpusOptions, report: SkipRepor
             yield from _read_text(path, fmt, report)
 
 
-def iter_documents(inputs: list[str], opts: CorpusOptions, report: SkipReport,
+def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
                    batch_chars: int = 1 << 18) -> Iterator[Document]:
     """Read, clean and split in this process (for `bertrain vocab`; `prepare` cleans in worker processes).
     Documents are cleaned in batches of ~`batch_chars` of one kind (`clean_documents`: same result, faster)."""

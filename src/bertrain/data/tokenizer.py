@@ -20,7 +20,7 @@ import numpy as np
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from bertrain.data.readers import CorpusOptions, SkipReport, iter_documents
+from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
 from bertrain.utils.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
         inputs = [inputs]
     if vocab_size < len(special_tokens) + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: it must exceed the {len(special_tokens)} special tokens")
-    opts = CorpusOptions(**(corpus_options or {}))
+    opts = CorpusConfig(**(corpus_options or {}))
     report = SkipReport()
 
     def texts() -> Iterable[str]:

@@ -11,7 +11,7 @@ from torch import nn
 
 
 @dataclass
-class ModelOptions:
+class ModelOptionsConfig:
     unpad: bool = True
     """Run the encoder on the real tokens only where no output depends on padding (pretraining with masked
     positions, classification; QA only outside training: HF's loss sees the padding positions' logits, so QA
@@ -25,7 +25,7 @@ class ModelOptions:
     """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
 
 
-def apply_model_options(model: nn.Module, options: ModelOptions) -> nn.Module:
+def apply_model_options(model: nn.Module, options: ModelOptionsConfig) -> nn.Module:
     """Switch `model`'s speed options in place (any bertrain model: the encoder or a model with a head); the model
     reads them at every forward. Returns `model`."""
     encoder = getattr(model, "bert", model)  # a head's encoder, or the encoder itself

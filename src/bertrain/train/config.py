@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bertrain.model.options import ModelOptions
+from bertrain.model.options import ModelOptionsConfig
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -257,7 +257,7 @@ class TrainerConfig:
     """Process group and device."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint folders."""
-    model_options: ModelOptions = field(default_factory=ModelOptions)
+    model_options: ModelOptionsConfig = field(default_factory=ModelOptionsConfig)
     """How the model runs: unpadding, jagged attention, gradient checkpointing, compile (same results)."""
     seed: int = 12345
     """Seed of the model initialisation, data order, masking and dropout."""
