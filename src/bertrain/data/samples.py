@@ -252,7 +252,7 @@ class InstanceBuilder:
         """Rows for (epoch, block ids). `dtype`: the rows' integer type (static instances are built straight in
         their stored uint16/uint32, which also halves the builder's memory traffic; the values are the same)."""
         sample = self.sample
-        T, P = sample.max_seq_length, sample.max_predictions_per_seq
+        T = sample.max_seq_length
         ids = np.asarray(block_ids, dtype=np.int64)
         n = len(ids)
         keys = sample_keys(self.seed, epoch, ids)

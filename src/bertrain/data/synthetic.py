@@ -12,7 +12,7 @@ import torch
 from bertrain.data.sampler import RankSampler, ResumableLoader
 from bertrain.data.samples import SampleConfig
 
-PAD, CLS, SEP, MASK = 0, 2, 3, 4
+CLS, SEP, MASK = 2, 3, 4  # the ids of the test vocabulary; 0 ([PAD]) fills the rest
 FIRST_WORD = 5
 
 

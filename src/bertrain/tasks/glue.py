@@ -83,10 +83,6 @@ TASKS: dict[str, GlueTask] = {
                      submission=("WNLI.tsv",), folder="WNLI"),
 }
 
-# Majority-class dev baselines (accuracy) quoted by the GLUE paper / data: what a fine-tuned model must beat.
-MAJORITY_BASELINE = {"mrpc": 0.684, "sst2": 0.509, "rte": 0.527, "qnli": 0.505, "wnli": 0.563}
-
-
 def get_task(name: str) -> GlueTask:
     key = name.lower().replace("-", "").replace("_", "")
     if key not in TASKS:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Any, Iterable
 
 import torch
@@ -103,6 +102,3 @@ class Precision:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
-
-def is_finite(x: torch.Tensor | float) -> bool:
-    return math.isfinite(float(x))

@@ -115,7 +115,6 @@ class RunResult:
     """Wall time of the steps run by this process (not counting set-up)."""
     stopped_by_signal: bool = False
     last_metrics: dict[str, Any] = field(default_factory=dict)
-    resumed_from: Path | None = None
     start_step: int = 0
     """The step this process started at (> 0 after a resume)."""
 
@@ -163,7 +162,7 @@ class Trainer:
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()
-        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start, start_step)
+        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step)
 
 
 class _Run:
