@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +51,7 @@ from bertrain.train.metrics import MetricsLogger
 from bertrain.train.optim import build_optimizer
 from bertrain.train.precision import Precision
 from bertrain.train.schedules import build_scheduler
+from bertrain.train.watchdog import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -471,31 +470,3 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
                     "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
     log.info("resumed from %s at step %d (epoch %d, %d samples)", path, state.step, state.epoch, state.samples)
     return state
-
-
-# ----------------------------------------------------------------------------------------------- signals
-
-class StopSignal:
-    """SIGTERM / SIGINT set a flag; the loop saves at the end of the step and exits (all ranks agree via the
-    per-step all-reduce). A second SIGINT interrupts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("received %s: will save a checkpoint at the end of this step and stop",
-                    signal.Signals(signum).name)
-
-    def __enter__(self) -> "StopSignal":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

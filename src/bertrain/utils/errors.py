@@ -1,0 +1,89 @@
+"""Exit codes and the one-line errors a user can act on.
+
+Every command ends with one of the documented exit codes (README "Exit codes"):
+
+* 0 `EXIT_OK` — finished.
+* 1 `EXIT_FAILED` — an unexpected error (a bug): the traceback is printed.
+* 2 `EXIT_USER_ERROR` — bad input, config or environment (a `ValueError`, an `OSError` the user can cause such as a
+  full disk or a missing permission, a locked output folder): one line says what and what to do; `--debug` also
+  prints the traceback.
+* 3 `EXIT_STOPPED` — stopped by a signal (SIGTERM/SIGINT) or a watchdog after saving what could be saved: the run
+  continues with `--resume auto`. A scheduler can tell it from a finished run.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3
+
+
+class UserError(ValueError):
+    """A problem the user can fix; the message says what and how. (`ValueError`s are treated the same way.)"""
+
+
+class RunStopped(Exception):
+    """The run stopped early on request (signal) or by the watchdog; `--resume auto` continues it."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+def _free_space(path: Path) -> str:
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return f"{shutil.disk_usage(p).free / 2**20:,.0f} MiB free on {p}"
+            except OSError:
+                return ""
+    return ""
+
+
+def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_bytes: int | None = None) -> str:
+    """One line: what was being done, why it failed (the OS's words), free vs needed space, what was kept."""
+    path = Path(e.filename) if e.filename else None
+    reason = e.strerror or str(e)
+    parts = [f"{doing}: {reason}" + (f" ({path})" if path else "")]
+    if e.errno == errno.ENOSPC:
+        free = _free_space(path or Path.cwd())
+        need = f", about {needed_bytes / 2**20:,.0f} MiB needed" if needed_bytes else ""
+        parts.append(f"the disk is full ({free}{need}): free space or write elsewhere")
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        parts.append("no permission: choose a folder you can write, or fix its permissions")
+    elif e.errno == errno.EROFS:
+        parts.append("the filesystem is read-only: write elsewhere")
+    elif e.errno == errno.ENOENT:
+        parts.append("the path does not exist")
+    if kept:
+        parts.append(kept)
+    return "; ".join(parts)
+
+
+class OutputError(UserError):
+    """An `OSError` while writing an output, turned into one clear line (the original is the `__cause__`)."""
+
+
+@contextlib.contextmanager
+def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None) -> Iterator[None]:
+    """Turn an OSError inside the block into an `OutputError` naming what was being written and what was kept."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as e:
+        raise OutputError(describe_os_error(e, doing, kept, needed_bytes)) from e
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it for longer than two system calls)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
