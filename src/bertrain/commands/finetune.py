@@ -26,7 +26,8 @@ _COMMON_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bertrain.config import add_config_arguments, add_resume_argument
+    from bertrain.config import add_config_arguments
+    from bertrain.train.resume import add_run_arguments
     from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig
 
     sub = parser.add_subparsers(dest="ft_task", metavar="TASK", required=True)
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=f"fine-tune on {name.upper()}",
                            description=(cls.__doc__ or "").split("\n")[0] or None)
         p.add_argument("--config", default=None, help="YAML/JSON config file (keys as below)")
-        add_resume_argument(p)
+        add_run_arguments(p)
         for flag, (key, help_) in {**flags, **_COMMON_FLAGS}.items():
             p.add_argument(flag, dest=f"short:{key}", default=None, metavar=flag.lstrip("-").upper().replace("-", "_"),
                            help=f"{help_} (= --{key})")
@@ -62,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ft_task == "squad":
         cfg = load_config(SquadFinetuneConfig, args.config, _overrides(args))
-        results = run_squad(cfg, resume=args.resume)
+        results = run_squad(cfg, resume=args.resume, overwrite=args.overwrite,
+                            allow_config_change=args.allow_config_change)
     else:
         cfg = load_config(GlueFinetuneConfig, args.config, _overrides(args))
-        results = run_glue(cfg, resume=args.resume)
+        results = run_glue(cfg, resume=args.resume, overwrite=args.overwrite,
+                           allow_config_change=args.allow_config_change)
     if results:  # only rank 0 returns results
         print(json.dumps(results, indent=2))
     return 0

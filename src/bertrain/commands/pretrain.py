@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from bertrain.config import add_config_arguments, add_resume_argument, load_config, overrides_from_args
+from bertrain.config import add_config_arguments, load_config, overrides_from_args
 
 HELP = "pretrain BERT (MLM + NSP) on one or many processes; checkpoints, resume, metrics"
 
@@ -16,15 +16,20 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bertrain.tasks.pretraining import PretrainConfig
+    from bertrain.train.resume import add_run_arguments
     parser.add_argument("--config", metavar="FILE", help="YAML/JSON recipe (e.g. configs/quickstart.yaml)")
-    add_resume_argument(parser)
+    add_run_arguments(parser)
     add_config_arguments(parser, PretrainConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
     cfg = load_config(PretrainConfig, args.config, overrides_from_args(args))
-    result = run_pretraining(cfg, resume=args.resume)
+    from bertrain.utils.errors import RunStopped
+    result = run_pretraining(cfg, resume=args.resume, overwrite=args.overwrite,
+                             allow_config_change=args.allow_config_change)
     if result.stopped_by_signal:
-        log.warning("stopped by a signal at step %d; continue with --resume auto", result.state.step)
+        step = result.state.step
+        raise RunStopped(f"stopped by a signal at step {step} after saving {cfg.output_dir}/step-{step}; continue "
+                         "with the same command and --resume auto", checkpoint=result.output_dir / f"step-{step}")
     return 0

@@ -6,15 +6,21 @@ whatever the world size.
 """
 from __future__ import annotations
 
+import logging
 import math
+import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from bertrain.train.distributed import DistInfo, gather_objects
 from bertrain.train.precision import Precision
 from bertrain.train.trainer import to_device, trim_padding
+
+log = logging.getLogger(__name__)
 
 
 def shard_for_eval(n: int, rank: int, world: int) -> np.ndarray:
@@ -54,6 +60,10 @@ def distributed_forward(model: torch.nn.Module, feats: dict[str, np.ndarray], ou
     mine = shard_for_eval(n, dist.rank, dist.world_size)
     model.eval()
     chunks: list[list[np.ndarray]] = []
+    if dist.is_main:
+        log.info("evaluating %d examples on %d rank(s), %d per batch", n, dist.world_size, batch_size)
+    t0 = last_log = time.perf_counter()
+    bar = tqdm(total=len(mine), desc="evaluate", unit="ex", disable=not (dist.is_main and sys.stderr.isatty()))
     for s in range(0, len(mine), batch_size):
         idx = mine[s:s + batch_size]
         batch = {k: torch.from_numpy(np.ascontiguousarray(feats[k][idx])).long()
@@ -69,6 +79,12 @@ def distributed_forward(model: torch.nn.Module, feats: dict[str, np.ndarray], ou
                 t = np.concatenate([t, np.full((t.shape[0], L - t.shape[1]), -10000.0, np.float32)], axis=1)
             arrs.append(t)
         chunks.append(arrs)
+        bar.update(len(idx))
+        if dist.is_main and bar.disable and time.perf_counter() - last_log > 30:  # no terminal: a line now and then
+            last_log = time.perf_counter()
+            log.info("evaluated %d of %d examples of this rank (%.0f/s)", s + len(idx), len(mine),
+                     (s + len(idx)) / (last_log - t0))
+    bar.close()
     k = len(chunks[0]) if chunks else 0
     local = tuple(np.concatenate([c[j] for c in chunks]) for j in range(k))
     parts = gather_objects((mine, local))

@@ -24,7 +24,8 @@ from bertrain.model.losses import classification_loss_sums, qa_loss_sums
 from bertrain.model.options import apply_model_options
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.evaluate import distributed_forward
-from bertrain.tasks.glue import build_features as glue_features, get_task, read_split, write_submission
+from bertrain.tasks.glue import (build_features as glue_features, get_task, read_split, write_dev_predictions,
+                                 write_submission)
 from bertrain.tasks.metrics import evaluate_squad, glue_compute_metrics
 from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, apply_null_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
@@ -34,7 +35,9 @@ from bertrain.train.config import (BatchPlan, CheckpointConfig, OptimConfig, Sch
                                    TrainerConfig)
 from bertrain.train.distributed import DistInfo, barrier, distributed_context
 from bertrain.train.precision import Precision
+from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer
+from bertrain.utils.errors import RunStopped
 from bertrain.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -186,8 +189,9 @@ class FeatureTask:
     loss_groups = ("task",)
 
     def __init__(self, name: str, kind: str, init: str, feats: dict[str, np.ndarray], seed: int,
-                 num_labels: int = 2) -> None:
+                 num_labels: int = 2, labels: tuple[str, ...] | None = None) -> None:
         self.name, self.kind, self.init, self.seed, self.num_labels = name, kind, init, seed, num_labels
+        self.labels = labels
         self.arrays = {k: feats[k] for k in (QA_KEYS if kind == "qa" else CLS_KEYS)}
 
     def build_loader(self, dist: DistInfo, plan: BatchPlan) -> ArrayLoader:
@@ -195,7 +199,10 @@ class FeatureTask:
                            pad_multiple=plan.global_batch_size)
 
     def build_model(self) -> nn.Module:
-        return load_model(self.kind, self.init, self.num_labels)
+        model = load_model(self.kind, self.init, self.num_labels)
+        if self.labels:  # the exported config.json then names the classes (id2label), as HF's does
+            model.id2label = dict(enumerate(self.labels))
+        return model
 
     def target_counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         if self.kind == "qa" or batch["labels"].is_floating_point():
@@ -222,6 +229,12 @@ def _train_results(run: RunResult) -> dict[str, Any]:
     return {"train_steps": run.total_steps, "train_seconds": round(run.seconds, 1),
             "train_examples_per_second": round(done * run.plan.global_batch_size / max(run.seconds, 1e-9), 2),
             "final_loss": run.last_metrics.get("loss")}
+
+
+def _stopped(out_dir: Path, run: RunResult) -> RunStopped:
+    step = run.state.step
+    return RunStopped(f"stopped by a signal at step {step} after saving {out_dir}/step-{step} (no evaluation "
+                      "yet); continue with the same command and --resume auto", checkpoint=out_dir / f"step-{step}")
 
 
 def _start(cfg: FinetuneConfig, dist: DistInfo) -> Path:
@@ -269,12 +282,14 @@ def _subset_squad_file(path: str, spec: str, key: str, out_dir: Path, name: str)
 
 # ----------------------------------------------------------------------------------------------- SQuAD
 
-def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None) -> dict[str, Any]:
+def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bool = False,
+              allow_config_change: bool = False) -> dict[str, Any]:
     """Fine-tune and/or evaluate on SQuAD; rank 0 writes predictions, nbest, null_odds and eval_results."""
     d = cfg.data
     fcfg = SquadFeatureConfig(d.max_seq_length, d.doc_stride, d.max_query_length)
     v2 = d.version_2_with_negative
-    with distributed_context(cfg.distributed) as dist:
+    with distributed_context(cfg.distributed) as dist, \
+            run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite):
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
         results: dict[str, Any] = {"task": "squad", "version": "2.0" if v2 else "1.1", "init": cfg.init}
@@ -292,9 +307,10 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None) -> dict[str, 
         if cfg.do_train:
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
             examples, feats = features(train_path, True)
-            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed), resume)
+            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed), resume,
+                                         allow_config_change)
             if run.stopped_by_signal:
-                return {"stopped_at_step": run.state.step} if dist.is_main else {}
+                raise _stopped(out_dir, run)
             model = run.model
             results.update(train_examples=len(examples), train_features=len(feats["input_ids"]),
                            **_train_results(run))
@@ -338,11 +354,13 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None) -> dict[str, 
 
 # ----------------------------------------------------------------------------------------------- GLUE
 
-def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None) -> dict[str, Any]:
+def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool = False,
+             allow_config_change: bool = False) -> dict[str, Any]:
     """Fine-tune and/or evaluate on a GLUE task; rank 0 writes eval_results.json and the test submission."""
     d = cfg.data
     task = get_task(d.task)
-    with distributed_context(cfg.distributed) as dist:
+    with distributed_context(cfg.distributed) as dist, \
+            run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite):
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
         results: dict[str, Any] = {"task": task.name, "init": cfg.init, "max_seq_length": d.max_seq_length}
@@ -353,10 +371,10 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None) -> dict[str, An
                 keep = np.sort(np.random.default_rng(cfg.seed).permutation(n_all)[: d.max_train_examples])
                 examples = [examples[i] for i in keep]
             feats = glue_features(examples, task, tok, d.max_seq_length)
-            run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels),
-                                         resume)
+            run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
+                                                     task.labels), resume, allow_config_change)
             if run.stopped_by_signal:
-                return {"stopped_at_step": run.state.step} if dist.is_main else {}
+                raise _stopped(out_dir, run)
             model = run.model
             results.update(train_examples=len(examples), train_examples_available=n_all,
                            epochs=cfg.train.epochs if not cfg.train.steps else None, **_train_results(run))
@@ -375,6 +393,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None) -> dict[str, An
                 feats, preds = predict(examples)
                 metrics = glue_compute_metrics(task.name, preds.tolist(), feats["labels"].tolist())
                 results[split_name] = {**metrics, "examples": len(examples)}
+                if dist.is_main:  # the dev predictions themselves, for error analysis
+                    write_dev_predictions(out_dir / f"{split_name}_predictions.tsv", task, examples, preds)
                 if task.labels is not None:
                     counts = np.bincount(feats["labels"], minlength=task.num_labels)
                     results[split_name]["majority_baseline_accuracy"] = float(counts.max() / counts.sum())
@@ -394,7 +414,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None) -> dict[str, An
             if cfg.checkpoint.export_final and cfg.do_train:
                 # label names and feature settings for `bertrain predict` / `Predictor`
                 ckpt.export_final(out_dir, model, {"task.json": {
-                    "kind": "classification", "task": task.name,
+                    "kind": "regression" if task.is_regression else "classification", "task": task.name,
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
         barrier()
         return results if dist.is_main else {}

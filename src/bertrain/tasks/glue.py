@@ -195,6 +195,18 @@ def label_strings(task: GlueTask, preds: np.ndarray) -> list[str]:
     return [task.labels[int(p)] for p in preds]  # type: ignore[index]
 
 
+def write_dev_predictions(path: str | os.PathLike, task: GlueTask, examples: list[GlueExample],
+                          preds: np.ndarray) -> None:
+    """`index<TAB>prediction<TAB>label<TAB>text_a[<TAB>text_b]` for each dev example (atomic write)."""
+    if len(examples) != len(preds):
+        raise ValueError(f"{len(preds)} predictions for {len(examples)} dev examples")
+    clean = lambda t: (t or "").replace("\t", " ").replace("\n", " ")  # noqa: E731 (keep the TSV one line each)
+    lines = ["index\tprediction\tlabel\ttext_a\ttext_b"]
+    for ex, s in zip(examples, label_strings(task, preds)):
+        lines.append(f"{ex.index}\t{s}\t{ex.label}\t{clean(ex.text_a)}\t{clean(ex.text_b)}")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
 def write_submission(path: str | os.PathLike, task: GlueTask, examples: list[GlueExample],
                      preds: np.ndarray) -> None:
     """`index<TAB>prediction` lines under a header, the GLUE server's format (atomic write)."""

@@ -32,7 +32,9 @@ from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, _check_all, _positive
 from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
 from bertrain.train.metrics import plot_metrics
+from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer
+from bertrain.utils.errors import UserError, writing
 
 log = logging.getLogger(__name__)
 
@@ -294,18 +296,38 @@ class PretrainResult:
         return self.run.last_metrics
 
 
-def run_pretraining(cfg: PretrainConfig, resume: str | None = None) -> PretrainResult:
-    """Pretrain BERT as configured; `resume` is None, "auto" (newest complete checkpoint) or a checkpoint path."""
+def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: bool = False,
+                    allow_config_change: bool = False) -> PretrainResult:
+    """Pretrain BERT as configured; `resume` is None, "auto" (newest complete checkpoint) or a checkpoint path;
+    `overwrite` moves another run's folder aside; `allow_config_change` applies run-changing keys on resume."""
     out = Path(cfg.output_dir)
-    with distributed_context(cfg.distributed) as dist:
-        run = Trainer(cfg, dist).fit(PretrainingTask(cfg), resume)
+    check_model_fits_samples(cfg)
+    with distributed_context(cfg.distributed) as dist, run_folder(out, "pretrain", dist, resume, overwrite):
+        run = Trainer(cfg, dist).fit(PretrainingTask(cfg), resume, allow_config_change)
         result = PretrainResult(run, out)
         if dist.is_main and not run.stopped_by_signal:
             _plot(out)
             if cfg.checkpoint.export_final:
-                result.final_dir = ckpt.export_final(out, run.model)
+                with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact"):
+                    result.final_dir = ckpt.export_final(out, run.model)
         barrier()
         return result
+
+
+def check_model_fits_samples(cfg: PretrainConfig) -> None:
+    """Refuse a sample length beyond the model's positions before any vocabulary or data is built."""
+    m = cfg.model
+    if m.init:
+        config = config_from_json_file(Path(m.init) / "config.json") if (Path(m.init) / "config.json").is_file() \
+            else None
+    elif m.preset.endswith(".json") or Path(m.preset).is_file():
+        config = config_from_json_file(m.preset)
+    else:
+        config = BertConfig.from_preset(m.preset, **m.architecture_overrides())
+    positions = m.max_position_embeddings or (config.max_position_embeddings if config else None)
+    if positions is not None and cfg.sample.max_seq_length > positions:
+        raise UserError(f"config key 'sample.max_seq_length' ({cfg.sample.max_seq_length}) exceeds the model's "
+                        f"max_position_embeddings ({positions}): lower it or use a model with more positions")
 
 
 def _plot(out: Path) -> None:

@@ -44,14 +44,15 @@ from bertrain.model.options import apply_model_options
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
 from bertrain.train.distributed import (
-    DistInfo, all_reduce_sum, barrier, broadcast_object, gather_objects, grads_are_synced, no_sync, unwrap_model,
-    wrap_model,
+    DistInfo, all_reduce_sum, broadcast_object, gather_objects, grads_are_synced, no_sync, unwrap_model, wrap_model,
 )
 from bertrain.train.metrics import MetricsLogger
 from bertrain.train.optim import build_optimizer
 from bertrain.train.precision import Precision
+from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.watchdog import StopSignal
+from bertrain.utils.errors import OutputError, UserError, writing
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class Trainer:
         self.dist = dist
         self.out = Path(cfg.output_dir)
 
-    def fit(self, task: Task, resume: str | None = None) -> RunResult:
+    def fit(self, task: Task, resume: str | None = None, allow_config_change: bool = False) -> RunResult:
         cfg, dist = self.cfg, self.dist
         plan = resolve_batch(cfg.train, dist.world_size)
         loader = task.build_loader(dist, plan)
@@ -139,10 +140,12 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.schedule, total_steps)
         precision = Precision(cfg.precision, dist.device)
         ckpt.seed_rank_rng(cfg.seed, dist.rank, 0)  # dropout differs per rank, reproducibly
-        state = TrainState()
+        state, changes = TrainState(), {}
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
-            state = restore(start, model, optimizer, scheduler, precision, loader, dist, cfg, plan)
+            saved, changes = restore(start, model, optimizer, scheduler, precision, loader, dist, cfg, plan,
+                                     allow_config_change)
+            state = TrainState(**saved)
         else:
             loader.set_epoch(0)
         ddp_model = wrap_model(model, dist, cfg.distributed)
@@ -157,6 +160,9 @@ class Trainer:
         with StopSignal() as stop, MetricsLogger(self.out, dist.is_main,
                                                  resume_step=state.step if start else None) as ml, \
                 _log_through_bar(_show_bar(dist)):
+            if changes:
+                ml.log({"step": state.step, "event": "config_change",
+                        "changes": {k: {"old": a, "new": b} for k, (a, b) in changes.items()}})
             stopped, last = run.steps(stop, ml)
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
@@ -250,8 +256,9 @@ class _Run:
         return shares
 
     def save(self) -> None:
-        """Every rank contributes its RNG state; rank 0 writes the folder; all wait for it."""
+        """Every rank contributes its RNG state; rank 0 writes the folder; all learn whether it worked."""
         rngs = gather_objects(ckpt.rng_state())
+        error: Exception | None = None
         if self.dist.is_main:
             train_state = {
                 "version": 2, "task": self.task.name, "state": asdict(self.state),
@@ -259,9 +266,17 @@ class _Run:
                 "precision": self.precision.state_dict(), "rng": rngs, "loader": self.loader.state_dict(),
                 "world_size": self.dist.world_size, "batch": asdict(self.plan),
             }
-            ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model), train_state, self.cfg,
-                                 self.cfg.checkpoint.keep_last)
-        barrier()
+            complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
+            last = complete[-1] if complete else None
+            kept = f"{last} (the last complete checkpoint) is intact" if last else "no checkpoint was written before"
+            try:
+                with writing(f"writing checkpoint step-{self.state.step} in {self.out}", kept=kept):
+                    ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model), train_state,
+                                         self.cfg, self.cfg.checkpoint.keep_last)
+            except OutputError as e:
+                error = e
+        if not broadcast_object(error is None):  # instead of a barrier: a failed save stops every rank
+            raise error or UserError(f"rank 0 could not write checkpoint step-{self.state.step} (see its log)")
 
 
 # ----------------------------------------------------------------------------------------------- step pieces
@@ -420,53 +435,3 @@ def _show_bar(dist: DistInfo) -> bool:
 def _log_through_bar(enabled: bool) -> contextlib.AbstractContextManager:
     """While a bar is shown, route log lines through tqdm.write so they do not tear the bar."""
     return logging_redirect_tqdm() if enabled else contextlib.nullcontext()
-
-
-# ----------------------------------------------------------------------------------------------- resume
-
-def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo) -> Path | None:
-    """Rank 0 decides which checkpoint to resume from (verifying it) and tells the others."""
-    if not resume:
-        return None
-    choice: str | None = None
-    problem = None
-    if dist.is_main:
-        if resume == "auto":
-            found = ckpt.latest_checkpoint(output_dir)
-            if found is None:
-                log.info("--resume auto: no complete checkpoint in %s, starting from scratch", output_dir)
-            choice = str(found) if found else None
-        else:
-            problem = ckpt.verify_checkpoint(resume)
-            choice = resume
-    # every rank learns the decision (or the error), so none waits forever for a rank that gave up
-    choice, problem = broadcast_object((choice, problem))
-    if problem:
-        raise ValueError(f"--resume {resume}: {problem}")
-    return Path(choice) if choice else None
-
-
-def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision,
-            loader: Loader, dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan) -> TrainState:
-    """Load everything a checkpoint holds; RNG states are per rank when the world size is unchanged."""
-    ts = ckpt.load_train_state(path)
-    if ts.get("version") != 2 or "loader" not in ts:
-        raise ValueError(f"--resume: {path} was written by an older bertrain (train_state version "
-                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
-    ckpt.load_model_weights(model, path)
-    optimizer.load_state_dict(ts["optimizer"])
-    scheduler.load_state_dict(ts["scheduler"])
-    precision.load_state_dict(ts["precision"])
-    loader.load_state_dict(ts["loader"])
-    state = TrainState(**ts["state"])
-    if ts["world_size"] == dist.world_size:
-        ckpt.set_rng_state(ts["rng"][dist.rank])
-    else:
-        log.warning("resuming on %d ranks from a %d-rank checkpoint: per-rank RNG streams are re-seeded",
-                    dist.world_size, ts["world_size"])
-        ckpt.seed_rank_rng(cfg.seed, dist.rank, state.step)
-    if ts["batch"]["global_batch_size"] != plan.global_batch_size:
-        log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
-                    "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
-    log.info("resumed from %s at step %d (epoch %d, %d samples)", path, state.step, state.epoch, state.samples)
-    return state

@@ -1,0 +1,198 @@
+"""Where a run lives and how it continues: the run folder, the choice of checkpoint, and the restore.
+
+* `run_folder`: rank 0 locks the output folder for the whole command (`OutputLock`) and claims it for this run
+  (`claim_run_folder`: a new run never mixes into, or destroys, another run's folder); every rank learns the
+  outcome, so an error never leaves a rank waiting.
+* `find_resume_checkpoint`: rank 0 chooses (the newest complete, checksum-verified checkpoint for "auto") and
+  broadcasts the choice. If checkpoints exist but none is usable, that is an error, not a silent fresh start.
+* `config_changes` / `restore`: the new resolved config is compared with the checkpoint's. Keys that keep the run
+  exact (logging, checkpointing, workers, how the model runs) are taken; keys that change the run (optimizer,
+  schedule, steps, batch, model, data, seed, precision) are refused, all listed old -> new, unless
+  `--allow-config-change`: then the new optimizer hyperparameters are applied and the schedule is recomputed for
+  the new length at the step reached (the trainer records the changes in metrics.jsonl).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from bertrain.config import load_file, to_dict
+from bertrain.train import checkpoint as ckpt
+from bertrain.train.config import BatchPlan, TrainerConfig
+from bertrain.train.distributed import DistInfo, broadcast_object
+from bertrain.train.precision import Precision
+from bertrain.utils.errors import UserError
+from bertrain.utils.rundir import OutputLock, claim_run_folder
+
+log = logging.getLogger(__name__)
+
+# Keys whose change keeps a resumed run exact (or only changes how fast it runs, tested equal): taken silently.
+EXACT_KEYS = ("train.log_interval", "train.trim_padding", "checkpoint.", "data.num_workers", "distributed.backend",
+              "distributed.device", "distributed.timeout_s", "distributed.bucket_cap_mb", "distributed.heartbeat",
+              "distributed.stop_grace_s", "model_options.", "output_dir", "do_eval", "eval_batch_size",
+              "data.predict_test", "data.cache_dir", "data.n_best_size", "data.max_answer_length",
+              "data.null_score_diff_threshold", "data.dev_file", "data.dev_articles")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--resume, --overwrite and --allow-config-change: spelled and behaving the same for every training command."""
+    parser.add_argument("--resume", metavar="auto|PATH", default=None,
+                        help="continue from the newest complete checkpoint in output_dir (auto; from scratch if "
+                             "there is none yet) or from the checkpoint folder PATH")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in an output folder that holds another run: the old folder is moved "
+                             "aside to OUTPUT.replaced-<time>, never deleted")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="with --resume: apply config changes that alter the run (lr, schedule, steps, ...; "
+                             "the schedule is recomputed for the new length) instead of refusing them")
+
+
+@contextlib.contextmanager
+def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None,
+               overwrite: bool) -> Iterator[None]:
+    """Hold the output folder for this run (see the module docstring)."""
+    lock = OutputLock(output_dir, command)
+    error: BaseException | None = None
+    held = False
+    if dist.is_main:
+        try:
+            lock.__enter__()
+            held = True
+            claim_run_folder(output_dir, command, resume, overwrite)
+        except BaseException as e:  # the other ranks must hear about it before anyone raises
+            error = e
+    if not broadcast_object(error is None):
+        if held:
+            lock.__exit__(None, None, None)
+        if error is not None:
+            raise error
+        raise UserError(f"rank 0 could not use the output folder {output_dir} (see its message)")
+    try:
+        yield
+    finally:
+        if held:
+            lock.__exit__(None, None, None)
+
+
+def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo) -> Path | None:
+    """Rank 0 decides which checkpoint to resume from (verifying it) and tells the others."""
+    if not resume:
+        return None
+    choice: str | None = None
+    problem = None
+    if dist.is_main:
+        if resume == "auto":
+            found = ckpt.latest_checkpoint(output_dir)
+            if found is None:
+                bad = [(p, ckpt.verify_checkpoint(p)) for _, p in ckpt.list_checkpoints(output_dir)]
+                if bad:
+                    problem = (f"none of the {len(bad)} checkpoints in {output_dir} is usable ("
+                               + "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
+                               + "): remove the broken ones, or start over with --overwrite")
+                else:
+                    log.info("--resume auto: no checkpoint in %s yet, starting from scratch", output_dir)
+            choice = str(found) if found else None
+        else:
+            problem = ckpt.verify_checkpoint(resume)
+            choice = resume
+    # every rank learns the decision (or the error), so none waits forever for a rank that gave up
+    choice, problem = broadcast_object((choice, problem))
+    if problem:
+        raise UserError(f"--resume {resume}: {problem}")
+    return Path(choice) if choice else None
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(taken, run-changing): every differing dotted key -> (old, new); absent keys are `None`."""
+    a, b = _flatten(old), _flatten(new)
+    taken, changing = {}, {}
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
+            va, vb = list(va), list(vb)
+        if va == vb:
+            continue
+        (taken if key.startswith(EXACT_KEYS) else changing)[key] = (va, vb)
+    return taken, changing
+
+
+def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str, tuple]:
+    """Compare `cfg` with the checkpoint's config.yaml; returns the run-changing differences that are allowed."""
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        return {}
+    taken, changing = config_changes(load_file(saved), to_dict(cfg))
+    for key, (a, b) in taken.items():
+        log.info("resuming with %s = %r (was %r)", key, b, a)
+    if changing and not allow_change:
+        listed = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changing.items())
+        raise UserError(f"--resume {path}: the config differs from the checkpoint's in keys that change the run:\n"
+                        f"{listed}\nresume with the checkpoint's values (its config.yaml), or pass "
+                        "--allow-config-change to apply them (the schedule is recomputed for the new length)")
+    return changing
+
+
+def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision,
+            loader: Any, dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan,
+            allow_change: bool = False) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Load everything a checkpoint holds; returns (its `state` dict, the allowed run-changing differences).
+
+    RNG states are per rank when the world size is unchanged."""
+    ts = ckpt.load_train_state(path)
+    if ts.get("version") != 2 or "loader" not in ts:
+        raise UserError(f"--resume: {path} was written by an older bertrain (train_state version "
+                        f"{ts.get('version')}); start a new run or resume with the version that wrote it")
+    changes = check_config(path, cfg, allow_change)
+    try:
+        ckpt.load_model_weights(model, path)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--resume {path}: the checkpoint's model does not fit this config's model ({e}); a "
+                        "different architecture cannot continue a run: start a new run with model.init") from None
+    fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if "optim.name" in changes:
+        log.warning("optimizer changed (%s -> %s): its moments start fresh", *changes["optim.name"])
+    else:
+        optimizer.load_state_dict(ts["optimizer"])
+    precision.load_state_dict(ts["precision"])
+    loader.load_state_dict(ts["loader"])
+    if changes:
+        # the new hyperparameters, and the schedule recomputed for the new length at the step reached
+        for group, fresh in zip(optimizer.param_groups, fresh_groups):
+            group.update(fresh)
+        taken_steps = int(ts["scheduler"]["last_epoch"])
+        scheduler.last_epoch = taken_steps - 1
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore")
+            scheduler.step()
+        log.warning("resuming with a changed config (--allow-config-change): %s",
+                    ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    else:
+        scheduler.load_state_dict(ts["scheduler"])
+    if ts["world_size"] == dist.world_size:
+        ckpt.set_rng_state(ts["rng"][dist.rank])
+    else:
+        log.warning("resuming on %d ranks from a %d-rank checkpoint: per-rank RNG streams are re-seeded",
+                    dist.world_size, ts["world_size"])
+        ckpt.seed_rank_rng(cfg.seed, dist.rank, int(ts["state"]["step"]))
+    if ts["batch"]["global_batch_size"] != plan.global_batch_size:
+        log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
+                    "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
+    log.info("resumed from %s at step %d (epoch %d, %d samples)", path, ts["state"]["step"], ts["state"]["epoch"],
+             ts["state"]["samples"])
+    return ts["state"], changes

@@ -1,0 +1,196 @@
+"""Trustworthy run folders (issue 12, the training side): one writer per folder, no run destroys or mixes into
+another, resume refuses silent config changes (or applies them correctly when allowed), unusable checkpoints and
+impossible settings are refused before any work, a full disk while saving is one clear line, and fine-tuning
+exports what a user needs (dev predictions, label names)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import cli_env
+from test_tasks_finetune import TINY, write_rte_like
+
+from bertrain.cli import main
+from bertrain.train import checkpoint as ckpt
+from bertrain.utils.rundir import OutputLock
+
+
+def write_config(path: Path, out: Path, steps: int = 4, save_interval: int = 2, **train) -> Path:
+    path.write_text(json.dumps({
+        "model": {"preset": "tiny", "dropout": 0.1},
+        "data": {"synthetic_samples": 64, "vocab_size": 100},
+        "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 8, "log_interval": 1, **train},
+        "optim": {"name": "adamw", "lr": 0.005},
+        "schedule": {"name": "poly", "warmup": 0.25},
+        "checkpoint": {"save_interval": save_interval, "keep_last": 0},
+        "seed": 3, "output_dir": str(out),
+    }))
+    return path
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished(tmp_path: Path) -> tuple[Path, Path]:
+    """A finished 4-step run (checkpoints at 2 and 4, final export); returns (config, output folder)."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out)
+    assert main(["pretrain", "--config", str(cfg)]) == 0
+    return cfg, out
+
+
+def test_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out)
+    with OutputLock(out, "pretrain"):
+        t0 = time.time()
+        assert main(["pretrain", "--config", str(cfg)]) == 2
+        assert time.time() - t0 < 30
+    err = capsys.readouterr().err
+    assert f"is in use by `bertrain pretrain` (pid {os.getpid()}" in err
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from bertrain.utils.rundir import OutputLock\n"
+                               f"with OutputLock({str(out)!r}, 'pretrain'):\n print('held', flush=True); time.sleep(600)"],
+                              env=cli_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert main(["pretrain", "--config", str(write_config(tmp_path / "cfg.json", out))]) == 0
+    capsys.readouterr()
+
+
+def test_a_new_run_never_overwrites_a_finished_one(finished, tmp_path, capsys):
+    cfg, out = finished
+    before = snapshot(out)
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    assert main(["pretrain", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"holds run {run_id}" in err and "--resume auto" in err and "--overwrite" in err
+    assert snapshot(out) == before  # nothing of the finished run changed (metrics, config, checkpoints, final)
+
+    assert main(["pretrain", "--config", str(cfg), "--overwrite"]) == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and snapshot(aside[0]) == before  # moved aside whole, never deleted
+    assert json.loads((out / "run.json").read_text())["run_id"] != run_id
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--overwrite"]) == 2
+    capsys.readouterr()
+
+
+def test_resume_refuses_run_changing_keys_listing_each(finished, capsys):
+    cfg, out = finished
+    before = snapshot(out)
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--optim.lr", "0.01", "--train.steps", "8",
+                 "--optim.name", "lamb"]) == 2
+    err = capsys.readouterr().err
+    for line in ("optim.lr: 0.005 -> 0.01", "train.steps: 4 -> 8", "optim.name: 'adamw' -> 'lamb'"):
+        assert line in err
+    assert "--allow-config-change" in err and snapshot(out) == before
+    # what keeps the run exact is taken without a word
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--train.log_interval", "2",
+                 "--checkpoint.keep_last", "1"]) == 0
+    capsys.readouterr()
+
+
+def test_allowed_config_change_recomputes_the_schedule_and_is_recorded(finished, capsys):
+    from bertrain.train.config import ScheduleConfig
+    from bertrain.train.schedules import LRMultiplier
+
+    cfg, out = finished
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--train.steps", "8", "--optim.lr", "0.01",
+                 "--allow-config-change"]) == 0
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    event = [r for r in rows if r.get("event") == "config_change"]
+    assert len(event) == 1 and event[0]["step"] == 4
+    assert event[0]["changes"]["train.steps"] == {"old": 4, "new": 8}
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    f = LRMultiplier(ScheduleConfig(name="poly", warmup=0.25), 8)
+    for step in (5, 6, 7, 8):  # the lr logged after step s is the new 8-step schedule's at s, on the new peak
+        assert lr[step] == pytest.approx(0.01 * f(step))
+    assert lr[8] == 0.0  # decays to 0 at the new last step
+
+
+def test_changed_architecture_is_refused_with_a_clear_message(finished, capsys):
+    cfg, out = finished
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--model.num_hidden_layers", "3"]) == 2
+    assert "model.num_hidden_layers: None -> 3" in capsys.readouterr().err
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--model.num_hidden_layers", "3",
+                 "--allow-config-change"]) == 2
+    err = capsys.readouterr().err
+    assert "different architecture cannot continue a run" in err and "Traceback" not in err
+
+
+def test_resume_auto_with_only_broken_checkpoints_refuses(finished, capsys):
+    cfg, out = finished
+    for step in (2, 4):
+        f = out / f"step-{step}" / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    before = snapshot(out)
+    assert main(["pretrain", "--config", str(cfg), "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 2 checkpoints" in err and "step-4: corrupt file model.safetensors" in err
+    assert snapshot(out) == before  # the old metrics are not wiped by a silent fresh start
+
+
+def test_sample_length_beyond_the_models_positions_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    t0 = time.time()
+    assert main(["pretrain", "--model.preset", "tiny", "--data.input", "builtin:python-docs", "--train.steps", "2",
+                 "--sample.max_seq_length", "4096", "--output_dir", str(out)]) == 2
+    assert time.time() - t0 < 20
+    assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
+    assert not (out / "vocab").exists() and not (out / "data").exists()
+
+
+def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last_one(finished, tmp_path, monkeypatch,
+                                                                                 capsys):
+    cfg, _ = finished
+    out = tmp_path / "second"
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("state", {}).get("step") == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    assert main(["pretrain", "--config", str(cfg), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "writing checkpoint step-4" in err and "the disk is full" in err and "step-2" in err and "intact" in err
+    assert ckpt.verify_checkpoint(out / "step-2") is None
+    assert not list(out.glob(".step-*")) and not (out / "step-4").exists()  # no half-written folder left
+
+
+def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
+    from test_tasks_finetune_engine import _tiny_model
+
+    model = _tiny_model(tmp_path / "model", 0.1)
+    data = write_rte_like(tmp_path / "RTE", n_dev=10)
+    out = tmp_path / "ft"
+    assert main(["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(model), "--output",
+                 str(out), "--data.max_seq_length", "32", "--train.steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    rows = (out / "dev_predictions.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[:3] == ["index", "prediction", "label"] and len(rows) == 11
+    assert {r.split("\t")[1] for r in rows[1:]} <= {"entailment", "not_entailment"}
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["id2label"] == {"0": "entailment", "1": "not_entailment"}
+    assert json.loads((out / "final" / "task.json").read_text())["kind"] == "classification"
