@@ -125,8 +125,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.json", out, 400, save_interval=2)
     proc = start_and_signal(cfg, out, signal.SIGTERM, after_step=2)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-3000:]
-    assert "received SIGTERM" in output
+    assert proc.returncode == 3, output[-3000:]  # EXIT_STOPPED: resumable, told apart from a finished run (0)
+    assert "received SIGTERM" in output and "--resume auto" in output and "Traceback" not in output
     last = max(s for s, _ in ckpt.list_checkpoints(out))
     assert 2 <= last < 400 and ckpt.verify_checkpoint(out / f"step-{last}") is None
     assert ckpt.load_train_state(out / f"step-{last}")["state"]["step"] == last
