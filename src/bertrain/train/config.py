@@ -142,18 +142,42 @@ class DistributedConfig:
     """Process-group backend: auto = nccl on GPU, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: auto = the local GPU when CUDA is available, else CPU."""
-    timeout_s: int = 1800
-    """Collective timeout in seconds."""
+    timeout_s: int = 300
+    """Collective timeout in seconds: a rank that stops answering fails the job after this long (torch's 1800 is
+    half an hour of silence; the heartbeat names the rank sooner). Raise it only for steps slower than this."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size in MB (bigger buckets: fewer, larger allreduces; smaller: earlier overlap)."""
     grad_compression: Literal["none", "fp16", "bf16"] = "none"
     """Allreduce gradients in 16 bits (DDP comm hook): halves the bytes on the wire; see BENCHMARKS.md scaling."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between the heartbeats each rank writes to the rendezvous store (multi-process runs)."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose heartbeat is this many seconds old is named in the log (rank, host, pid); 0: no heartbeat."""
+    stop_grace_s: float = 20.0
+    """After SIGTERM/SIGINT, seconds to wait for the step in flight to finish; past it the step counts as hung and
+    the process exits (code 3) naming the last complete checkpoint. Keep it below the scheduler's kill delay."""
 
     def __post_init__(self) -> None:
         _check_all([
             lambda: _positive("distributed.timeout_s", self.timeout_s),
             lambda: _positive("distributed.bucket_cap_mb", self.bucket_cap_mb),
+            lambda: _positive("distributed.heartbeat_interval_s", self.heartbeat_interval_s),
+            lambda: _positive("distributed.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=True),
+            lambda: _positive("distributed.stop_grace_s", self.stop_grace_s),
+            self._check_heartbeat,
         ])
+
+    def _check_heartbeat(self) -> None:
+        if not self.heartbeat_timeout_s:
+            return
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(f"config key 'distributed.heartbeat_timeout_s' ({self.heartbeat_timeout_s:g}) must be "
+                             f"at least twice distributed.heartbeat_interval_s ({self.heartbeat_interval_s:g}), "
+                             "or a healthy rank is reported as silent")
+        if self.heartbeat_timeout_s > self.timeout_s:
+            raise ValueError(f"config key 'distributed.heartbeat_timeout_s' ({self.heartbeat_timeout_s:g}) must not "
+                             f"exceed distributed.timeout_s ({self.timeout_s}): the collective would time out before "
+                             "the heartbeat names the silent rank")
 
 
 @dataclass
