@@ -142,11 +142,12 @@ def test_corrupt_or_truncated_shard_is_reported_with_its_name(reference, tmp_pat
 
 def test_bad_inputs_reported_in_stats_and_empty_corpus_refused(tmp_path):
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.txt").write_bytes(b"A good sentence here. Another \xff one follows.\n\n" * 50)
+    (tmp_path / "in" / "a.txt").write_bytes(b"A good sentence here. Another \xff one follows.\n\n" * 50
+                                            + b"Plain text that is fine. " * 200)  # 50 bad bytes of 7400: < 1%
     (tmp_path / "in" / "empty.txt").write_bytes(b"")
     stats = prepare(cfg(tmp_path / "o", inputs=[str(tmp_path / "in")]))
     problems = stats["skipped"]["problems"]
-    assert problems[str(tmp_path / "in" / "a.txt")]["invalid_utf8_sequences"] == 50
+    assert problems[str(tmp_path / "in" / "a.txt")]["replaced_characters"] == 50
     assert problems[str(tmp_path / "in" / "empty.txt")]["empty_files"] == 1
     with pytest.raises(ValueError, match="no text left"):
         prepare(cfg(tmp_path / "o2", inputs=[str(tmp_path / "in" / "empty.txt")]))

@@ -13,10 +13,16 @@ on the fly:
 * `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
 * `jsonl` (`.jsonl`, `.json`): one JSON object per line, the text in `text_field`.
 
-Reading is streaming (memory does not grow with the corpus). Every problem with the input — invalid UTF-8,
-empty files, over-long lines, truncated compressed files, bad JSON lines — is counted per file in a `SkipReport`
-and logged with the file name, instead of aborting a long run or passing silently. Cleaning is
-`bertrain.data.cleaning` (run in the worker processes of `prepare`).
+Decoding is strict: text is UTF-8 unless `CorpusConfig.encoding` names another (ASCII-compatible) encoding, and a
+file that is not text — a NUL byte, or more than 1% of the bytes read so far invalid in the encoding (a binary, or
+latin-1 text read as UTF-8) — is refused with a `UserError` naming the file and the byte offset. Fewer invalid
+bytes are replaced (U+FFFD, then dropped by cleaning) and counted as `replaced_characters`.
+
+Reading is streaming (memory does not grow with the corpus). Every lesser problem with the input — replaced
+characters, empty files, over-long lines, truncated compressed files, bad JSON lines — is counted per file in a
+`SkipReport` and logged with the file name (the first few files; the rest are summed up in one line), instead of
+aborting a long run or passing silently. Cleaning is `bertrain.data.cleaning` (run in the worker processes of
+`prepare`).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import logging
 import lzma
 import os
 import re
+import threading
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ from pathlib import Path
 from typing import IO, Iterator, Literal
 
 from bertrain.data.cleaning import clean_documents
+from bertrain.data.progress import Progress
+from bertrain.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,11 @@ InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl"]
 # Lines longer than this are cut into pieces (at whitespace where possible): a 10 MB line without a newline would
 # otherwise become one 10 MB "sentence" (and one huge string per worker task).
 MAX_LINE_CHARS = 1 << 20
+# A file with more invalid bytes than this share (of the whole file, or of what was read once that is 1 MB or more;
+# NUL bytes: any) is not text in its encoding.
+MAX_INVALID_SHARE = 0.01
+# Per-file warnings logged one by one; the rest are summed up in one line (stats.json lists every file).
+MAX_WARNINGS = 10
 
 
 @dataclass
@@ -63,12 +77,30 @@ class CorpusConfig:
     """Skip exact duplicate documents (by a hash of their raw text)."""
     skip_disambiguation: bool = True
     """Wikipedia: skip disambiguation pages (title '(disambiguation)' or a disambiguation template)."""
+    encoding: str = "utf-8"
+    """Encoding of text, lines and JSONL inputs (latin-1, cp1252, ...; XML dumps declare their own)."""
 
     def __post_init__(self) -> None:
         if self.min_document_chars < 0:
             raise ValueError(f"min_document_chars must be >= 0, got {self.min_document_chars}")
         if not self.text_field:
             raise ValueError("text_field must not be empty")
+        check_encoding(self.encoding)
+
+
+def check_encoding(encoding: str) -> None:
+    """A `ValueError` unless `encoding` is a known encoding in which ASCII (newlines, NUL) is itself."""
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise ValueError(f"unknown encoding {encoding!r} (e.g. utf-8, latin-1, cp1252, shift_jis)") from None
+    try:
+        ascii_compatible = "\n\0 az".encode(encoding) == b"\n\0 az"
+    except (UnicodeError, LookupError):
+        ascii_compatible = False
+    if not ascii_compatible:
+        raise ValueError(f"encoding {encoding!r} does not write ASCII as ASCII (UTF-16/32?): convert the files to "
+                         f"UTF-8 first, e.g. `iconv -f {encoding} -t UTF-8 in.txt > out.txt`")
 
 
 @dataclass
@@ -100,9 +132,16 @@ class SkipReport:
     files: int = 0
     input_bytes: int = 0
     counts: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    warnings: int = 0  # warnings given through `warn` (the first MAX_WARNINGS were logged)
 
     def add(self, source: str, what: str, n: int = 1) -> None:
         self.counts[source][what] += n
+
+    def warn(self, msg: str, *args: object) -> None:
+        """Log a warning about one input, or only count it once MAX_WARNINGS were logged (summed up in `log`)."""
+        self.warnings += 1
+        if self.warnings <= MAX_WARNINGS:
+            logger.warning(msg, *args)
 
     def totals(self) -> dict[str, int]:
         out: Counter = Counter()
@@ -121,9 +160,17 @@ class SkipReport:
         return f"{self.files} files, {self.input_bytes} bytes, {self.documents} documents kept; " + \
             (", ".join(f"{k}={v}" for k, v in t.items()) or "nothing skipped")
 
-    def log(self, log: logging.Logger) -> None:
-        for src, c in self.problems().items():
+    def log(self, log: logging.Logger, where: str = "stats.json") -> None:
+        """The files with problems (the first MAX_WARNINGS, then one line for the rest) and the summary."""
+        problems = self.problems()
+        for src, c in list(problems.items())[:MAX_WARNINGS]:
             log.warning("%s: %s", src, ", ".join(f"{k}={v}" for k, v in c.items()))
+        if len(problems) > MAX_WARNINGS:
+            log.warning("... and %d more files with problems (every file is listed in %s)",
+                        len(problems) - MAX_WARNINGS, where)
+        if self.warnings > MAX_WARNINGS:
+            log.warning("%d more warnings about single inputs were not shown (counted in %s)",
+                        self.warnings - MAX_WARNINGS, where)
         log.info("read %s", self.summary())
 
     def to_dict(self) -> dict:
@@ -145,18 +192,35 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
         elif any(ch in spec for ch in "*?["):
             matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
             if not matches:
-                raise ValueError(f"input glob {spec!r} matches no files")
+                raise UserError(f"input glob {spec!r} matches no files")
             out.extend(matches)
         elif os.path.isdir(spec):
             files = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and not p.name.startswith("."))
             if not files:
-                raise ValueError(f"input folder {spec} contains no files")
+                raise UserError(f"input folder {spec} contains no files")
             out.extend(files)
         elif os.path.isfile(spec):
             out.append(spec)
+        elif os.path.exists(spec):
+            raise UserError(f"input {spec} is neither a file nor a folder")
         else:
-            raise ValueError(f"input {spec} does not exist (give files, folders, globs or {BUILTIN_PYTHON_DOCS})")
+            raise UserError(f"input {spec} does not exist (give files, folders, globs or {BUILTIN_PYTHON_DOCS})")
     return out
+
+
+def input_size(files: list[str]) -> int:
+    """Bytes on disk of resolved inputs (compressed files count compressed; built-ins their text): the total of
+    the reading progress."""
+    total = 0
+    for p in files:
+        if p == BUILTIN_PYTHON_DOCS:
+            total += _BUILTIN_BYTES
+        else:
+            try:
+                total += os.path.getsize(p)
+            except OSError:
+                pass
+    return total
 
 
 def detect_format(path: str) -> str:
@@ -171,23 +235,35 @@ def detect_format(path: str) -> str:
     return "text"
 
 
-def _open_binary(path: str) -> IO[bytes]:
+def _is_compressed(path: str) -> bool:
+    return path.lower().endswith((".bz2", ".gz", ".xz"))
+
+
+def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes]]:
+    """(the decompressed stream, the file on disk: its position is the progress)."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read input {path}: {e.strerror or e}") from e
     name = path.lower()
     if name.endswith(".bz2"):
-        return bz2.open(path, "rb")  # reads multistream files (Wikipedia's *-multistream.xml.bz2) too
+        return bz2.BZ2File(f, "rb"), f  # reads multistream files (Wikipedia's *-multistream.xml.bz2) too
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=f, mode="rb"), f
     if name.endswith(".xz"):
-        return lzma.open(path, "rb")
-    return open(path, "rb")
+        return lzma.LZMAFile(f, "rb"), f
+    return f, f
 
 
 class _CountingReader(io.RawIOBase):
-    """Wraps a binary stream; counts bytes read (the uncompressed input size) and turns a truncated compressed
+    """Opens an input file; counts bytes read (the uncompressed input size), reports the position in the file on
+    disk to `progress` (whose `base` is the size of the inputs before this one), and turns a truncated compressed
     stream into a clean end of file, remembering that it happened."""
 
-    def __init__(self, raw: IO[bytes]):
-        self.raw = raw
+    def __init__(self, path: str, progress: "_InputProgress | None" = None):
+        self.raw, self.file = _open_binary(path)
+        self.path = path
+        self.progress = progress
         self.nbytes = 0
         self.truncated: str | None = None
 
@@ -200,21 +276,95 @@ class _CountingReader(io.RawIOBase):
         try:
             data = self.raw.read(len(b))
         except (EOFError, OSError, lzma.LZMAError) as e:  # bz2/gzip/lzma raise these on a cut-off file
+            if self.raw is self.file:  # a plain file: a read error, not a truncated stream
+                raise UserError(f"cannot read input {self.path}: {getattr(e, 'strerror', None) or e}") from e
             self.truncated = f"{type(e).__name__}: {e}"
             return 0
         n = len(data)
         b[:n] = data
         self.nbytes += n
+        if self.progress is not None:
+            self.progress.at(self.file.tell())
         return n
 
     def close(self) -> None:
         self.raw.close()
+        self.file.close()
         super().close()
 
 
-def _text_lines(reader: _CountingReader, source: str, report: SkipReport) -> Iterator[str]:
-    """Decode UTF-8 line by line (each with its "\n"); see `_text_blocks`."""
-    for block in _text_blocks(reader, source, report):
+class _InputProgress:
+    """The reading progress over all inputs: `Progress` in bytes on disk, one file after another."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.base = 0
+
+    def at(self, pos: int) -> None:
+        self.progress.set(self.base + pos)
+
+    def next_file(self, size: int) -> None:
+        self.base += size
+        self.progress.set(self.base)
+
+
+# The codecs error handler "bertrain.replace": Python's "replace" (one U+FFFD per invalid sequence) that records
+# where it replaced, so `_Decoder` counts exactly what it replaced and where the first bad byte is. It is called
+# only on invalid bytes (valid text decodes in C as before); the spans are per thread.
+_decode_spans = threading.local()
+
+
+def _replace_and_record(e: UnicodeError) -> tuple[str, int]:
+    if not isinstance(e, UnicodeDecodeError):
+        raise e
+    _decode_spans.spans.append((e.start, e.end))
+    return "\ufffd", e.end
+
+
+codecs.register_error("bertrain.replace", _replace_and_record)
+
+
+class _Decoder:
+    """Decodes one input file incrementally and refuses it if it is not text in its encoding (see the module
+    docstring); counts the characters it replaced. `decode` is fed the file's bytes in order."""
+
+    def __init__(self, path: str, encoding: str, report: SkipReport):
+        self.path, self.encoding, self.report = path, encoding, report
+        self.decoder = codecs.getincrementaldecoder(encoding)("bertrain.replace")
+        self.pos = 0  # bytes decoded so far
+        self.invalid = 0  # invalid bytes so far
+        self.first_bad = ""  # where the first one is, for the message
+
+    def decode(self, data: bytes, final: bool = False) -> str:
+        nul = data.find(b"\0")
+        if nul >= 0:
+            raise UserError(f"input {self.path} is not text: a NUL byte at byte offset {self.pos + nul}"
+                            f"{self._decompressed()} ({data[max(0, nul - 16): nul + 16]!r}); give text files (for "
+                            "UTF-16/32 text: convert it to UTF-8 first; for other encodings see --encoding)")
+        spans = _decode_spans.spans = []
+        text = self.decoder.decode(data, final)
+        if spans:
+            self.report.add(self.path, "replaced_characters", len(spans))
+            self.invalid += sum(end - start for start, end in spans)
+            if not self.first_bad:  # (an offset may be a few bytes early for a character cut by a long-line piece)
+                start = min(spans[0][0], len(data))
+                self.first_bad = f"{self.pos + start} ({data[max(0, start - 16): start + 16]!r})"
+        if self.invalid > MAX_INVALID_SHARE * (self.pos + len(data)) and (final or self.pos + len(data) >= 1 << 20):
+            raise UserError(
+                f"input {self.path} is not {self.encoding} text: {self.invalid} of its {'' if final else 'first '}"
+                f"{self.pos + len(data)} bytes{self._decompressed()} are invalid (more than "
+                f"{MAX_INVALID_SHARE:.0%}), the first at byte offset {self.first_bad}; for text in a legacy "
+                "encoding pass it with --encoding (e.g. --encoding latin-1 or cp1252)")
+        self.pos += len(data)
+        return text
+
+    def _decompressed(self) -> str:
+        return " of the decompressed data" if _is_compressed(self.path) else ""
+
+
+def _text_lines(reader: _CountingReader, source: str, report: SkipReport, encoding: str) -> Iterator[str]:
+    """Decode line by line (each with its "\n"); see `_text_blocks`."""
+    for block in _text_blocks(reader, source, report, encoding):
         lines = block.split("\n")
         last = lines.pop()
         for line in lines:
@@ -226,11 +376,12 @@ def _text_lines(reader: _CountingReader, source: str, report: SkipReport) -> Ite
 _BLOCK_BYTES = 1 << 20  # what `_text_blocks` reads at a time
 
 
-def _text_blocks(reader: _CountingReader, source: str, report: SkipReport) -> Iterator[str]:
-    """Decode UTF-8 in blocks of whole lines ("\n"-terminated, except maybe the file's last); invalid bytes become
-    U+FFFD (counted), over-long lines are cut into pieces (counted), each piece then a block of its own."""
+def _text_blocks(reader: _CountingReader, source: str, report: SkipReport, encoding: str) -> Iterator[str]:
+    """Decode (`_Decoder`: not text is refused) in blocks of whole lines ("\n"-terminated, except maybe the file's
+    last); invalid bytes become U+FFFD (counted), over-long lines are cut into pieces (counted), each piece then a
+    block of its own. (`encoding` is ASCII-compatible, see `check_encoding`, so a newline byte is a newline.)"""
     buffered = io.BufferedReader(reader, buffer_size=1 << 20)
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder = _Decoder(source, encoding, report)
     # Fast path: whole ~1 MB blocks of complete lines, decoded and split at once (a newline byte is never part of
     # a UTF-8 sequence, so this decodes exactly like line by line). A block with a line that readline() would cut
     # (MAX_LINE_CHARS bytes or more) is handed, with everything after it, to the line-by-line loop below.
@@ -239,6 +390,9 @@ def _text_blocks(reader: _CountingReader, source: str, report: SkipReport) -> It
         data = buffered.read(_BLOCK_BYTES)
         block = carry + data if carry else data
         if not block:
+            tail = decoder.decode(b"", final=True)  # a character cut off at the end of the file: U+FFFD, counted
+            if tail:
+                yield tail
             return
         if data:
             nl = block.rfind(b"\n")
@@ -250,9 +404,7 @@ def _text_blocks(reader: _CountingReader, source: str, report: SkipReport) -> It
             break
         if not block:
             continue
-        text = decoder.decode(block)
-        if "\ufffd" in text:
-            report.add(source, "invalid_utf8_sequences", text.count("\ufffd"))
+        text = decoder.decode(block, final=not data)
         if text:
             yield text
         if not data:
@@ -260,6 +412,9 @@ def _text_blocks(reader: _CountingReader, source: str, report: SkipReport) -> It
     while True:
         line = buffered.readline(MAX_LINE_CHARS)
         if not line:
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
             break
         if len(line) >= MAX_LINE_CHARS and not line.endswith(b"\n"):
             report.add(source, "long_line_pieces")
@@ -269,11 +424,7 @@ def _text_blocks(reader: _CountingReader, source: str, report: SkipReport) -> It
                 rest = line[cut + 1:]
                 line = line[:cut] + b"\n"
                 buffered = _Prepend(rest, buffered)
-        text = decoder.decode(line)
-        if "\ufffd" in text:
-            bad = text.count("\ufffd")
-            report.add(source, "invalid_utf8_sequences", bad)
-        yield text
+        yield decoder.decode(line)
 
 
 class _Prepend:
@@ -302,16 +453,17 @@ class _Prepend:
 _NON_BLANK_LINES = re.compile(r"(?:[^\n]*\S[^\n]*(?:\n|\Z))+")
 
 
-def _read_text(path: str, kind: str, report: SkipReport) -> Iterator[RawDocument]:
+def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8",
+               progress: _InputProgress | None = None) -> Iterator[RawDocument]:
     """Blank-line separated documents (`text`, `lines`): each document is a maximal run of non-blank lines.
 
     Found with one regex pass per decoded block rather than a Python loop over lines (that loop was the main
     process's largest cost in `prepare`, ~20 ms per MB, while the workers waited for their first chunk). A run that
     reaches a block's end may go on in the next block; block ends are line ends (or pieces of over-long lines,
     which count as lines)."""
-    with _CountingReader(_open_binary(path)) as reader:
+    with _CountingReader(path, progress) as reader:
         pending: list[str] = []  # the document being read, when it may go on in the next block
-        for block in _text_blocks(reader, path, report):
+        for block in _text_blocks(reader, path, report, encoding):
             matched = False
             for m in _NON_BLANK_LINES.finditer(block):
                 matched = True
@@ -338,12 +490,13 @@ def _account_file(reader: _CountingReader, path: str, report: SkipReport,
         report.add(path, "empty_files")
     if reader.truncated:
         report.add(path, "truncated_files")
-        logger.warning("%s is truncated (%s); kept %s", path, reader.truncated, kept)
+        report.warn("%s is truncated (%s); kept %s", path, reader.truncated, kept)
 
 
-def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawDocument]:
-    with _CountingReader(_open_binary(path)) as reader:
-        for lineno, line in enumerate(_text_lines(reader, path, report), 1):
+def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = "utf-8",
+                progress: _InputProgress | None = None) -> Iterator[RawDocument]:
+    with _CountingReader(path, progress) as reader:
+        for lineno, line in enumerate(_text_lines(reader, path, report, encoding), 1):
             if not line.strip():
                 continue
             try:
@@ -351,7 +504,7 @@ def _read_jsonl(path: str, text_field: str, report: SkipReport) -> Iterator[RawD
             except json.JSONDecodeError:
                 report.add(path, "bad_json_lines")
                 if report.counts[path]["bad_json_lines"] <= 3:
-                    logger.warning("%s line %d is not valid JSON; skipped", path, lineno)
+                    report.warn("%s line %d is not valid JSON; skipped", path, lineno)
                 continue
             text = obj.get(text_field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
@@ -365,9 +518,10 @@ _DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set inde
                        re.IGNORECASE)
 
 
-def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport) -> Iterator[RawDocument]:
+def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport,
+               progress: _InputProgress | None = None) -> Iterator[RawDocument]:
     """Stream pages out of a MediaWiki XML dump (expat via iterparse; elements are freed as we go)."""
-    reader = _CountingReader(_open_binary(path))
+    reader = _CountingReader(path, progress)
     try:
         context = ET.iterparse(io.BufferedReader(reader, buffer_size=1 << 20), events=("start", "end"))
         root = None
@@ -415,34 +569,50 @@ def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport) -> Iterator[Ra
     _account_file(reader, path, report, kept=f"the {report.counts[path]['wiki_pages']} complete pages before the cut")
 
 
-def _read_builtin_python_docs(report: SkipReport) -> Iterator[RawDocument]:
+_BUILTIN_BYTES = 470_000  # about the size of builtin:python-docs, for the progress total only
+
+
+def _read_builtin_python_docs(report: SkipReport, progress: _InputProgress | None = None) -> Iterator[RawDocument]:
     # Imported only when asked for: ~465 KB of English reference text shipped with CPython.
     from pydoc_data.topics import topics
 
+    done = 0
     for name in sorted(topics):
         text = topics[name]
-        report.input_bytes += len(text.encode("utf-8"))
+        n = len(text.encode("utf-8"))
+        report.input_bytes += n
+        done += n
+        if progress is not None:
+            progress.at(min(done, _BUILTIN_BYTES))
         yield RawDocument(text, "paragraphs", f"{BUILTIN_PYTHON_DOCS}#{name}")
 
 
-def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport) -> Iterator[RawDocument]:
-    """Every raw document of every input, in a deterministic order (inputs as given, folders sorted)."""
-    for path in resolve_inputs(inputs):
+def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
+                       progress: Progress | None = None) -> Iterator[RawDocument]:
+    """Every raw document of every input, in a deterministic order (inputs as given, folders sorted).
+    `progress` (bytes; its total is `input_size` of the resolved inputs) follows the position in the inputs."""
+    files = resolve_inputs(inputs)
+    where = _InputProgress(progress) if progress is not None else None
+    if progress is not None and progress.total is None:
+        progress.total = input_size(files)
+    for path in files:
         report.files += 1
         if path == BUILTIN_PYTHON_DOCS:
-            yield from _read_builtin_python_docs(report)
-            continue
-        fmt = opts.input_format if opts.input_format != "auto" else detect_format(path)
-        if fmt == "wiki":
-            yield from _read_wiki(path, opts, report)
-        elif fmt == "jsonl":
-            yield from _read_jsonl(path, opts.text_field, report)
+            yield from _read_builtin_python_docs(report, where)
         else:
-            yield from _read_text(path, fmt, report)
+            fmt = opts.input_format if opts.input_format != "auto" else detect_format(path)
+            if fmt == "wiki":
+                yield from _read_wiki(path, opts, report, where)
+            elif fmt == "jsonl":
+                yield from _read_jsonl(path, opts.text_field, report, opts.encoding, where)
+            else:
+                yield from _read_text(path, fmt, report, opts.encoding, where)
+        if where is not None:
+            where.next_file(input_size([path]))
 
 
 def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
-                   batch_chars: int = 1 << 18) -> Iterator[Document]:
+                   batch_chars: int = 1 << 18, progress: Progress | None = None) -> Iterator[Document]:
     """Read, clean and split in this process (for `bertrain vocab`; `prepare` cleans in worker processes).
     Documents are cleaned in batches of ~`batch_chars` of one kind (`clean_documents`: same result, faster)."""
     seen: set[bytes] | None = set() if opts.dedupe else None
@@ -457,7 +627,7 @@ def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
             report.documents += 1
             yield Document(sentences, raw.source)
 
-    for raw in iter_raw_documents(inputs, opts, report):
+    for raw in iter_raw_documents(inputs, opts, report, progress):
         if seen is not None:
             h = doc_hash(raw.text)
             if h in seen:
