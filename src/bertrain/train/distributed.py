@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -219,9 +221,44 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def barrier() -> None:
-    if is_distributed():
+_long_waits = itertools.count()
+LONG_WAIT_LOG_S = 300.0
+
+
+def barrier(waiting_for: str | None = None, poll_s: float = 1.0) -> None:
+    """Wait for every rank.
+
+    Plain: a collective barrier, failing after `distributed.timeout_s`. With `waiting_for` (what the early ranks wait
+    for, e.g. "rank 0 to prepare the data") the ranks meet in the rendezvous store instead, with no time limit, and
+    say every few minutes what they are waiting for: for phases where one rank works alone for longer than any
+    collective should take. Every rank must pass the same `waiting_for`-ness in the same order.
+    """
+    if not is_distributed():
+        return
+    if waiting_for is None:
         torch_dist.barrier()
+        return
+    store = torch_dist.distributed_c10d._get_default_store()
+    key, world = f"bertrain/wait/{next(_long_waits)}", torch_dist.get_world_size()
+    arrived = store.add(key, 1)
+    start = last_log = time.monotonic()
+    while arrived < world:
+        time.sleep(poll_s)
+        arrived = store.add(key, 0)
+        if time.monotonic() - last_log >= LONG_WAIT_LOG_S:
+            last_log = time.monotonic()
+            log.info("rank %d: still waiting for %s (%.0f min, %d of %d ranks ready)", torch_dist.get_rank(),
+                     waiting_for, (last_log - start) / 60, arrived, world)
+
+
+def heartbeat_store(timeout_s: float) -> Any | None:
+    """A private connection to the rendezvous store (None without a process group), for the watchdog's heartbeat:
+    its own socket, so a heartbeat stuck on a frozen store host never holds up the process group's own client."""
+    if not is_distributed():
+        return None
+    store = torch_dist.distributed_c10d._get_default_store().clone()
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
 
 
 def cleanup() -> None:
