@@ -62,6 +62,8 @@ def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_by
         parts.append("the filesystem is read-only: write elsewhere")
     elif e.errno == errno.ENOENT:
         parts.append("the path does not exist")
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
+        parts.append("a file is in the way where a folder is needed: choose another path")
     if kept:
         parts.append(kept)
     return "; ".join(parts)
