@@ -32,12 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="static: MLM-only packing (full sentences up to the length, no NSP pairs)")
     a("--input-format", default="auto", choices=["auto", "wiki", "text", "lines", "jsonl"])
     a("--text-field", default="text", help="JSONL key holding the text")
+    a("--encoding", default="utf-8", help="encoding of text/JSONL inputs, e.g. latin-1 or cp1252 (default utf-8; a "
+                                          "file that is not text in it is refused)")
     a("--min-document-chars", type=int, default=20)
     a("--dedupe", action="store_true", help="skip exact duplicate documents")
     a("--keep-disambiguation", dest="skip_disambiguation", action="store_false",
       help="Wikipedia: keep disambiguation pages")
     a("--shard-tokens", type=int, default=1 << 25, help="tokens per shard")
-    a("--overwrite", action="store_true", help="replace an existing output folder")
+    a("--overwrite", action="store_true",
+      help="replace an existing output folder (moved aside to OUTPUT.replaced-<time>, not deleted)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=args.do_lower_case, seed=args.seed,
         workers=args.workers, overwrite=args.overwrite, input_format=args.input_format, text_field=args.text_field,
         min_document_chars=args.min_document_chars, dedupe=args.dedupe, skip_disambiguation=args.skip_disambiguation,
-        shard_tokens=args.shard_tokens)
+        encoding=args.encoding, shard_tokens=args.shard_tokens)
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0

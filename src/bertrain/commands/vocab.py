@@ -1,9 +1,11 @@
-"""`bertrain vocab`: train a WordPiece vocab.txt on any corpus `prepare` reads."""
+"""`bertrain vocab`: train a WordPiece vocab.txt on any corpus `prepare` reads (the same inputs and settings give
+the same bytes; an existing vocab.txt is refused unless --overwrite, which moves it aside)."""
 from __future__ import annotations
 
 import argparse
+import json
 
-from bertrain.data.tokenizer import tokenizer_identity, train_vocab
+from bertrain.data.tokenizer import VOCAB_STATS, tokenizer_identity, train_vocab
 
 HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
 
@@ -18,11 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-alphabet", type=int, default=1000, help="maximum initial characters kept")
     parser.add_argument("--input-format", default="auto", choices=["auto", "wiki", "text", "lines", "jsonl"])
     parser.add_argument("--text-field", default="text", help="JSONL key holding the text")
+    parser.add_argument("--encoding", default="utf-8",
+                        help="encoding of text/JSONL inputs, e.g. latin-1 or cp1252 (default utf-8; a file that is "
+                             "not text in it is refused)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing vocab.txt in --output (the old one is moved aside, not deleted)")
 
 
 def run(args: argparse.Namespace) -> int:
     path = train_vocab(args.input, args.output, vocab_size=args.vocab_size, lowercase=not args.cased,
-                       min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet,
-                       corpus_options={"input_format": args.input_format, "text_field": args.text_field})
+                       min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet, overwrite=args.overwrite,
+                       corpus_options={"input_format": args.input_format, "text_field": args.text_field,
+                                       "encoding": args.encoding})
+    stats = json.loads((path.parent / VOCAB_STATS).read_text(encoding="utf-8"))
     print(f"{path}\t{tokenizer_identity(path, not args.cased)}")
+    print(f"{stats['num_tokens']} tokens from {stats['read']['documents']} documents "
+          f"({stats['num_words']} words, {stats['replaced_characters']} invalid characters replaced); "
+          f"details in {path.parent / VOCAB_STATS}")
     return 0

@@ -10,35 +10,48 @@ Stage 2 (`masking="static"`): `dupe_factor` x blocks instance rows, built in par
 vectorised `InstanceBuilder` (identical to dynamic epochs 0..dupe_factor-1); each worker writes its rows in place
 into one pre-sized fixed-width file.
 
-Everything is built in `OUTPUT.partial/`, renamed to `OUTPUT` only when complete (with `stats.json` written last).
+Everything is built in `OUTPUT.partial/`, renamed to `OUTPUT` only when complete (with `stats.json` written last);
+with `overwrite` an existing `OUTPUT` is moved aside to `OUTPUT.replaced-<time>` then, never deleted. The output is
+locked for the whole command (`OutputLock`: a second prepare on it fails at once, naming the first).
 `progress.json` records the finished shards; a re-run of the same command after a kill skips the chunks already
 in finished shards (their input is re-read, not re-processed). A different command discards the partial folder.
+
+Failures: bad input (not text, no text left, ...) is a `UserError` and removes the partial folder (the inputs must
+change to get past it, and that restarts the build anyway). A write error (disk full, no permission) is one line
+(`OutputError`): what was being written, free and needed space, and what was kept: the unfinished file is deleted,
+the finished shards stay in `OUTPUT.partial` (resumable; deleting it frees their space).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
 import time
+from collections import deque
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
 from bertrain.data.cleaning import clean_documents
-from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, doc_hash, iter_raw_documents,
-                                   resolve_inputs)
+from bertrain.data.progress import Progress
+from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, check_encoding, doc_hash,
+                                   input_fingerprint, input_size, iter_raw_documents, resolve_inputs)
 from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
-from bertrain.utils.io import _fsync_dir, atomic_write_json, replace_dir
+from bertrain.utils.errors import OutputError, UserError, describe_os_error
+from bertrain.utils.io import _fsync_dir, atomic_write_json
 from bertrain.utils.memory import keep_freed_memory
+from bertrain.utils.rundir import OutputLock, move_aside
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +79,7 @@ class PrepareConfig:
     workers: int = 0
     """Worker processes (0 = every core)."""
     overwrite: bool = False
-    """Replace an existing output folder."""
+    """Replace an existing output folder (moved aside to OUTPUT.replaced-<time> once the new one is complete)."""
     input_format: InputFormat = "auto"
     """Format of every input: auto (by suffix), wiki, text, lines, jsonl."""
     text_field: str = "text"
@@ -77,6 +90,8 @@ class PrepareConfig:
     """Skip exact duplicate documents."""
     skip_disambiguation: bool = True
     """Wikipedia: skip disambiguation pages."""
+    encoding: str = "utf-8"
+    """Encoding of text, lines and JSONL inputs (latin-1, cp1252, ...); XML dumps declare their own."""
     shard_tokens: int = 1 << 25
     """Tokens per shard (32M tokens = 64 MB with a < 65536 vocab)."""
     chunk_bytes: int = 1 << 18
@@ -97,12 +112,16 @@ class PrepareConfig:
             errors.append(f"workers must be >= 0, got {self.workers}")
         if self.shard_tokens < 1 or self.chunk_bytes < 1:
             errors.append("shard_tokens and chunk_bytes must be positive")
+        try:
+            check_encoding(self.encoding)
+        except ValueError as e:
+            errors.append(str(e))
         if errors:
             raise ValueError("; ".join(errors))
 
     def corpus_options(self) -> CorpusConfig:
         return CorpusConfig(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
-                             self.skip_disambiguation)
+                             self.skip_disambiguation, self.encoding)
 
 
 # ----------------------------------------------------------------------------------------------- workers
@@ -231,15 +250,9 @@ def _chunks(docs: Iterator[RawDocument], chunk_bytes: int, dedupe: bool,
 
 
 def _fingerprint(cfg: PrepareConfig, identity: str) -> dict[str, Any]:
-    files = []
-    for p in resolve_inputs(cfg.inputs):
-        if os.path.isfile(p):
-            st = os.stat(p)
-            files.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
-        else:
-            files.append([p])
+    files = input_fingerprint(cfg.inputs)
     keys = ("input_format", "text_field", "min_document_chars", "dedupe", "skip_disambiguation", "shard_tokens",
-            "chunk_bytes", "do_lower_case")
+            "chunk_bytes", "do_lower_case", "encoding")
     return {"inputs": files, "tokenizer": identity, **{k: getattr(cfg, k) for k in keys}}
 
 
@@ -251,19 +264,37 @@ def _end_pool(pool) -> None:
     _W.clear()
 
 
-def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict[str, Any]:
+@dataclass
+class _Status:
+    """What the build is writing now (for the one line of a failed write) and how much more it needs."""
+
+    doing: str = ""
+    needed: Callable[[], int | None] = lambda: None
+
+
+def _read_progress(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool, status: _Status) -> dict[str, Any]:
     vocab = read_vocab(cfg.vocab_file)
     dtype = token_dtype(len(vocab))
     fp = _fingerprint(cfg, identity)
     progress_path = work / "progress.json"
     progress: dict[str, Any] = {"fingerprint": fp, "chunks_done": 0, "shards": [], "worker_skips": {},
                                 "text_bytes": 0}
-    if progress_path.is_file():
-        old = json.loads(progress_path.read_text(encoding="utf-8"))
-        if old.get("fingerprint") == fp:
-            progress = old
-            logger.info("resuming %s: %d shards (%d chunks) already done", work, len(old["shards"]),
-                        old["chunks_done"])
+    old = _read_progress(progress_path)
+    if old is not None and old.get("fingerprint") == fp:
+        progress = old
+        logger.info("resuming %s: %d shards (%d chunks) already done", work, len(old["shards"]),
+                    old["chunks_done"])
+    else:  # another command's (or no) partial build: nothing in it is ours (stale static instances included)
+        for f in work.iterdir():
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    status.doing = f"creating {work / 'shards'}"
     (work / "shards").mkdir(parents=True, exist_ok=True)
     for f in (work / "shards").iterdir():  # shards not recorded as finished are redone
         if f.name not in {s["file"] for s in progress["shards"]}:
@@ -271,7 +302,12 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict
 
     report = SkipReport()
     opts = cfg.corpus_options()
-    chunks = _chunks(iter_raw_documents(cfg.inputs, opts, report), cfg.chunk_bytes, cfg.dedupe, report)
+    # The reader runs ahead of the workers (in the pool's task thread): each chunk carries the input position at
+    # its end, and the progress shown is that of the last chunk tokenized.
+    reading = Progress("", bar=False, interval=math.inf)
+    shown = Progress("prepare: tokenizing", total=input_size(resolve_inputs(cfg.inputs)), log=logger)
+    positions: deque[float] = deque()
+    chunks = _chunks(iter_raw_documents(cfg.inputs, opts, report, reading), cfg.chunk_bytes, cfg.dedupe, report)
     skips: dict[str, Counter] = defaultdict(Counter, {k: Counter(v) for k, v in progress["worker_skips"].items()})
     text_bytes = progress["text_bytes"]
     done = progress["chunks_done"]
@@ -279,38 +315,48 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict
     def todo() -> Iterator[list[tuple[str, str, str]]]:
         for i, c in enumerate(chunks):
             if i >= done:
+                positions.append(reading.value)
                 yield c
 
     writer: ShardWriter | None = None
+
+    def needed() -> int | None:  # the rest of the store, estimated from what the input read so far gave
+        written = sum(s["bytes"] for s in progress["shards"]) + (writer.n_tokens * dtype.itemsize if writer else 0)
+        share = shown.value / shown.total if shown.total else 0.0
+        return int(written / share - written) if share > 0.01 else None
+
+    status.needed = needed
     chunk_idx = done
     try:
         results = pool.imap(_tokenize_chunk, todo()) if pool else map(_tokenize_chunk, todo())
-        last_log = time.monotonic()
         for ids, lens, counts, chunk_skips, nbytes in results:
             chunk_idx += 1
             text_bytes += nbytes
+            shown.set(positions.popleft())
             for src, c in chunk_skips.items():
                 skips[src].update(c)
             if len(counts):
                 if writer is None:
-                    writer = ShardWriter(work / "shards" / f"shard-{len(progress['shards']):05d}.bts", dtype)
+                    path = work / "shards" / f"shard-{len(progress['shards']):05d}.bts"
+                    status.doing = f"writing the token shard {path}"
+                    writer = ShardWriter(path, dtype)
                 writer.add(ids, lens, counts)
             if writer is not None and writer.n_tokens >= cfg.shard_tokens:
                 progress["shards"].append(writer.close())
                 writer = None
                 progress.update(chunks_done=chunk_idx, text_bytes=text_bytes,
                                 worker_skips={k: dict(v) for k, v in skips.items()})
+                status.doing = f"writing {progress_path}"
                 atomic_write_json(progress_path, progress)
-            if time.monotonic() - last_log > 10:
-                last_log = time.monotonic()
-                logger.info("tokenized %.1f MB of text in %d chunks", text_bytes / 1e6, chunk_idx)
         if writer is not None:
             progress["shards"].append(writer.close())
             writer = None
         progress.update(chunks_done=chunk_idx, text_bytes=text_bytes,
                         worker_skips={k: dict(v) for k, v in skips.items()})
+        status.doing = f"writing {progress_path}"
         atomic_write_json(progress_path, progress)
     finally:
+        shown.close()
         if writer is not None:
             writer.abort()
 
@@ -327,20 +373,24 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool) -> dict
         "num_sentences": sum(s["n_sentences"] for s in progress["shards"]),
         "num_documents": sum(s["n_documents"] for s in progress["shards"]),
     }
+    status.doing = f"writing {work / 'vocab.txt'} and {work / 'store.json'}"
+    status.needed = lambda: None
     shutil.copyfile(cfg.vocab_file, work / "vocab.txt")
     atomic_write_json(work / "store.json", meta)
     report.documents = meta["num_documents"]
+    logger.info("tokenized %.1f MB of text into %d tokens", text_bytes / 1e6, meta["num_tokens"])
     return {"meta": meta, "report": report, "text_bytes": text_bytes}
 
 
 # ----------------------------------------------------------------------------------------------- stage 2
 
 def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe_factor: int, pool, workers: int,
-                           block_batch: int = 2048) -> int:
+                           block_batch: int = 2048, status: _Status | None = None) -> int:
     """Materialise dupe_factor x blocks instance rows into `data_dir/static-.../` (atomic); returns the count.
 
     `data_dir`: the folder being built (its token store is written, stats.json is not yet). `pool`: a `_pool` of
-    `workers` processes (or None: build in this process)."""
+    `workers` processes (or None: build in this process). The instances file's size is known: a disk without that
+    much free space is refused before writing (the file is sparse until written, so it would fail half-way)."""
     out = data_dir / static_dir_name(sample, seed, dupe_factor)
     if (out / "instances.json").is_file():
         meta = json.loads((out / "instances.json").read_text(encoding="utf-8"))
@@ -350,30 +400,40 @@ def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe
     builder = InstanceBuilder(store, sample, seed)  # builds and caches the blocks, which the workers then load
     n_blocks = builder.n_blocks
     dtype = np.dtype(np.uint16) if max(store.vocab_size, sample.max_seq_length) < 65536 else np.dtype(np.uint32)
+    size = dupe_factor * n_blocks * builder.row_width * dtype.itemsize
+    status = status or _Status()
+    status.doing, status.needed = f"writing the static instances {out / 'instances.bin'}", lambda: size
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".instances.bin.tmp"
+    if shutil.disk_usage(out).free < size:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
     setup = (str(data_dir), sample, seed, str(tmp))
     tasks = [(d, lo, min(lo + block_batch, n_blocks), dtype.name, setup)
              for d in range(dupe_factor) for lo in range(0, n_blocks, block_batch)]
     n = 0
-    with open(tmp, "wb") as f:
-        f.truncate(dupe_factor * n_blocks * builder.row_width * dtype.itemsize)
     try:
+        with open(tmp, "wb") as f:
+            f.truncate(size)
         # Tasks go out in groups of up to 4 (a task is ~10 ms; one round trip each cost the pool's feeder and
         # result threads ~0.8 ms of the main process's CPU), but small enough for every worker to get several.
         chunksize = max(1, min(4, len(tasks) // (4 * workers)))
         results = pool.imap_unordered(_static_rows, tasks, chunksize=chunksize) if pool else map(_static_rows, tasks)
-        with open(tmp, "rb+") as f:
+        with open(tmp, "rb+") as f, Progress("prepare: static instances", total=dupe_factor * n_blocks,
+                                             unit="rows", log=logger) as progress:
             # The main process only waits here, so it flushes what the workers wrote so far every ~1/8 of the
             # tasks: the final fsync then has little left (it was ~20 ms for 50 MB at the very end, serial).
             for i, rows in enumerate(results, 1):
                 n += rows
+                progress.update(rows)
                 if pool is not None and i % max(1, len(tasks) // 8) == 0:
                     getattr(os, "fdatasync", os.fsync)(f.fileno())  # (macOS has no fdatasync)
             os.fsync(f.fileno())
+        os.replace(tmp, out / "instances.bin")
+    except BaseException:  # not resumable (a re-run rebuilds the instances): never leave the big file behind
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
         _close_static()
-    os.replace(tmp, out / "instances.bin")
     write_static_meta(out, sample, seed, dupe_factor, n, builder.row_width, dtype)
     _fsync_dir(out)
     return n
@@ -382,15 +442,57 @@ def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe
 # ----------------------------------------------------------------------------------------------- entry
 
 def prepare(cfg: PrepareConfig) -> dict[str, Any]:
-    """Run both stages; returns (and writes as OUTPUT/stats.json) the statistics."""
+    """Run both stages; returns (and writes as OUTPUT/stats.json) the statistics.
+
+    Holds `OutputLock(output)` throughout; see the module docstring for overwrite, resume and failures."""
     t0 = time.perf_counter()
     out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise ValueError(f"output {out} already exists; pass --overwrite to replace it (the old folder is kept "
-                         f"until the new one is complete)")
-    identity = tokenizer_identity(cfg.vocab_file, cfg.do_lower_case)
-    workers = cfg.workers or os.cpu_count() or 1
     work = out.with_name(out.name + ".partial")
+    with OutputLock(out, "prepare"):
+        if out.exists() and not cfg.overwrite:
+            raise UserError(f"output {out} already exists; pass --overwrite to replace it (the old folder is kept "
+                            f"until the new one is complete, then moved aside, not deleted)")
+        identity = tokenizer_identity(cfg.vocab_file, cfg.do_lower_case)
+        status = _Status(f"creating {work}")
+        try:
+            stats = _build(cfg, work, identity, status, t0)
+        except OutputError:
+            raise
+        except ValueError:  # bad input or settings: the inputs must change, which restarts the build anyway
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        except OSError as e:
+            raise OutputError(describe_os_error(e, status.doing, _kept(work), status.needed())) from e
+        moved = move_aside(out) if out.exists() else None  # (never deleted: a one-line error if that fails)
+        try:
+            os.replace(work, out)
+        except OSError as e:
+            raise OutputError(describe_os_error(e, f"renaming the finished {work} to {out}",
+                                                f"the complete new output is {work}")) from e
+        _fsync_dir(out.parent)
+    if moved is not None:
+        logger.info("moved the previous %s aside to %s", out, moved)
+    logger.info("prepared %s: %d documents, %d sentences, %d tokens%s in %.1f s (%.2f MB/s of text)", out,
+                stats["num_documents"], stats["num_sentences"], stats["num_tokens"],
+                f", {stats['num_instances']} static instances" if stats["num_instances"] is not None else "",
+                stats["seconds"], stats["text_mb_per_s"])
+    return stats
+
+
+def _kept(work: Path) -> str:
+    """What a failed write leaves: the finished shards (resumable), or nothing (the partial folder removed)."""
+    shards = sorted((work / "shards").glob("*.bts")) if work.is_dir() else []
+    if not shards:
+        shutil.rmtree(work, ignore_errors=True)
+        return "nothing finished was kept (the partial output is removed)"
+    size = sum(f.stat().st_size for f in work.rglob("*") if f.is_file())
+    return (f"kept {len(shards)} finished shards ({size / 2**20:,.1f} MiB) in {work}: free space and re-run the same "
+            "command to resume from them, or delete that folder to free their space")
+
+
+def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: float) -> dict[str, Any]:
+    """Both stages in `work`; returns the statistics, written last as work/stats.json."""
+    workers = cfg.workers or os.cpu_count() or 1
     work.mkdir(parents=True, exist_ok=True)
     if (work / "stats.json").exists():  # a finished build that was not renamed (killed at the very end)
         (work / "stats.json").unlink()
@@ -400,14 +502,15 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.min_document_chars,
                                                   token_dtype(len(read_vocab(cfg.vocab_file))).name))
     try:
-        stage = _tokenize_stage(cfg, work, identity, pool)
+        stage = _tokenize_stage(cfg, work, identity, pool, status)
         meta, report = stage["meta"], stage["report"]
         if meta["num_tokens"] == 0:
-            raise ValueError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
+            raise UserError(f"no text left in {cfg.inputs} after reading and cleaning: {report.summary()}")
         t_tok = time.perf_counter() - t0
         num_instances = None
         if cfg.masking == "static":
-            num_instances = write_static_instances(work, cfg.sample, cfg.seed, cfg.dupe_factor, pool, workers)
+            num_instances = write_static_instances(work, cfg.sample, cfg.seed, cfg.dupe_factor, pool, workers,
+                                                   status=status)
     finally:
         _end_pool(pool)
     seconds = time.perf_counter() - t0
@@ -415,6 +518,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "num_documents": meta["num_documents"], "num_sentences": meta["num_sentences"],
         "num_tokens": meta["num_tokens"], "num_instances": num_instances, "num_shards": len(meta["shards"]),
         "input_bytes": report.input_bytes, "text_bytes": stage["text_bytes"],
+        "replaced_characters": report.totals().get("replaced_characters", 0), "encoding": cfg.encoding,
         "seconds": round(seconds, 3), "seconds_tokenize": round(t_tok, 3), "workers": workers,
         "text_mb_per_s": round(stage["text_bytes"] / 1e6 / seconds, 3),
         "input_mb_per_s": round(report.input_bytes / 1e6 / seconds, 3),
@@ -424,12 +528,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "dupe_factor": cfg.dupe_factor if cfg.masking == "static" else None,
         "inputs": list(cfg.inputs), "skipped": report.to_dict(),
     }
-    report.log(logger)
+    report.log(logger, where=f"{cfg.output}/stats.json")
+    status.doing, status.needed = f"writing {work / 'stats.json'}", lambda: None
     (work / "progress.json").unlink(missing_ok=True)
     atomic_write_json(work / "stats.json", stats)  # marks the folder complete
-    replace_dir(work, out)
-    logger.info("prepared %s: %d documents, %d sentences, %d tokens%s in %.1f s (%.2f MB/s of text)", out,
-                stats["num_documents"], stats["num_sentences"], stats["num_tokens"],
-                f", {num_instances} static instances" if num_instances is not None else "", seconds,
-                stats["text_mb_per_s"])
     return stats

@@ -208,6 +208,18 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
     return out
 
 
+def input_fingerprint(inputs: list[str]) -> list[list]:
+    """Each resolved input with its size and modification time: what makes a re-run the same run."""
+    files = []
+    for p in resolve_inputs(inputs):
+        if os.path.isfile(p):
+            st = os.stat(p)
+            files.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
+        else:
+            files.append([p])
+    return files
+
+
 def input_size(files: list[str]) -> int:
     """Bytes on disk of resolved inputs (compressed files count compressed; built-ins their text): the total of
     the reading progress."""

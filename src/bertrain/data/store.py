@@ -100,7 +100,10 @@ class ShardWriter:
                 "n_documents": len(counts), "bytes": self.path.stat().st_size, "crc32": self.crc}
 
     def abort(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()  # (flushes: fails again on a full disk)
+        except OSError:
+            pass
         self.tmp.unlink(missing_ok=True)
 
 

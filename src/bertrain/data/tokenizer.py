@@ -7,21 +7,29 @@ silently useless run.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
+import sys
+import time
+from collections import Counter
 from itertools import chain, compress, repeat
 from operator import is_
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
-from bertrain.utils.io import atomic_write_text
+from bertrain.data.progress import Progress
+from bertrain.data.readers import CorpusConfig, SkipReport, input_fingerprint, iter_documents
+from bertrain.utils.errors import UserError, writing
+from bertrain.utils.io import _fsync_dir, atomic_write_json, atomic_write_text
+from bertrain.utils.rundir import OutputLock, move_aside
 
 logger = logging.getLogger(__name__)
 
@@ -256,37 +264,183 @@ class FastBertEncoder:
         return (np.delete(flat, seps) if len(seps) else flat), lens
 
 
+# ----------------------------------------------------------------------------------------------- vocab training
+
+VOCAB_STATS = "vocab-stats.json"  # beside vocab.txt: what it was trained on, with which settings, what was read
+# The words of `WordCounter`: runs that are neither ASCII whitespace nor ASCII punctuation, or one ASCII punctuation.
+_WORD_PIECE = re.compile(f"[^{_ASCII_WS}{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]")
+
+
+class WordCounter:
+    """Counts words (pre-tokens) exactly as BertNormalizer + BertPreTokenizer (`load_tokenizer`'s pipeline) cut
+    and normalise them, by the argument of `FastBertEncoder`: the text is cut at ASCII whitespace and punctuation
+    with one C regex and counted per piece; each distinct piece that is not ASCII is then normalised and
+    pre-tokenized by HF `tokenizers` itself (an ASCII piece is its own word, lower-cased when uncased).
+    tests/test_data_reliability.py checks equality with HF on the real corpora."""
+
+    def __init__(self, lowercase: bool) -> None:
+        self.lowercase = lowercase
+        self.pieces: Counter = Counter()
+
+    def add(self, text: str) -> None:
+        raw = text.encode("utf-8", "surrogatepass")
+        kept = raw.translate(None, _ASCII_CONTROL_BYTES)  # deleted by the normalizer: they join what they split
+        if len(kept) != len(raw):
+            text = kept.decode("utf-8", "surrogatepass")
+        self.pieces.update(_WORD_PIECE.findall(text))
+
+    def words(self) -> Counter:
+        tok = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), self.lowercase)
+        words: Counter = Counter()
+        for piece, n in self.pieces.items():
+            if piece.isascii():
+                words[piece.lower() if self.lowercase else piece] += n
+            else:
+                for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(piece)):
+                    words[w] += n
+        return words
+
+
+def _repeated_words(words: Counter, chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """The words, each as often as counted, space-separated in ~1 MB strings (what the trainer is fed)."""
+    buf: list[str] = []
+    size = 0
+    for w, n in words.items():
+        unit = w + " "
+        while n:
+            k = min(n, max(1, (chunk_chars - size) // len(unit)))
+            buf.append(unit * k)
+            size += k * len(unit)
+            n -= k
+            if size >= chunk_chars:
+                yield "".join(buf)
+                buf, size = [], 0
+    if buf:
+        yield "".join(buf)
+
+
+def wordpiece_from_counts(words: Counter, vocab_size: int, min_frequency: int = 2, limit_alphabet: int = 1000,
+                          special_tokens: Sequence[str] = SPECIAL_TOKENS) -> list[str]:
+    """The WordPiece vocabulary (tokens in id order) that HF `tokenizers`' WordPieceTrainer learns from these word
+    counts — made deterministic.
+
+    Why not `train_from_iterator` on the text alone: the trainer (a BPE trainer, tokenizers <= 0.23) numbers the
+    continuation symbols ("##e", "##s", ...) in the iteration order of a hash map with a random seed, and breaks
+    ties between equally frequent pairs by those numbers, so every run gave another vocabulary (other tokens, not
+    only another order; also with RAYON_NUM_THREADS=1 and PYTHONHASHSEED=0; huggingface/tokenizers#1794, fix
+    proposed in #2066). `limit_alphabet` drops the rarest characters with an unstable sort, so ties there were
+    random too. Here the alphabet (the `limit_alphabet` most frequent characters, ties by code point, ordered by
+    code point as HF orders it) and the continuation symbols (by code point) are computed from the counts and
+    handed to the trainer first, as special tokens: every symbol has a fixed id before training starts, and the
+    trainer's own algorithm (same merges rule, `min_frequency`, `vocab_size`, "##" scheme) does the rest on the
+    same word counts, fed as words. Runs, thread counts and hash seeds give byte-identical vocabularies (tested).
+    """
+    alphabet_counts: Counter = Counter()
+    continuing: set[str] = set()
+    for w, n in words.items():
+        for c in w:
+            alphabet_counts[c] += n
+        continuing.update(w[1:])
+    kept = sorted(alphabet_counts, key=lambda c: (-alphabet_counts[c], c))[:limit_alphabet]
+    alphabet = sorted(kept)
+    continuation = [f"##{c}" for c in sorted(continuing.intersection(kept))]
+    fixed = list(dict.fromkeys([*special_tokens, *alphabet, *continuation]))
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the words are normalised and pre-tokenized already
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                        limit_alphabet=len(alphabet), initial_alphabet=alphabet,
+                                        special_tokens=fixed, continuing_subword_prefix="##",
+                                        show_progress=sys.stderr.isatty())
+    tok.train_from_iterator(_repeated_words(words), trainer=trainer)
+    vocab = tok.get_vocab()
+    ordered = sorted(vocab, key=vocab.__getitem__)
+    if ordered[: len(fixed)] != fixed or [vocab[t] for t in ordered] != list(range(len(ordered))):
+        raise RuntimeError("this version of `tokenizers` numbers the trainer's symbols differently: the vocabulary "
+                           "would not be reproducible (bertrain.data.tokenizer.wordpiece_from_counts)")
+    return ordered
+
+
 def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.PathLike, vocab_size: int = 30522,
                 lowercase: bool = True, min_frequency: int = 2, limit_alphabet: int = 1000,
-                special_tokens: Sequence[str] = SPECIAL_TOKENS, corpus_options: dict | None = None) -> Path:
-    """Train a WordPiece vocabulary on `inputs` (any input `bertrain prepare` reads) and write `output_dir/vocab.txt`.
+                special_tokens: Sequence[str] = SPECIAL_TOKENS, corpus_options: dict | None = None,
+                overwrite: bool = False) -> Path:
+    """Train a WordPiece vocabulary on `inputs` (any input `bertrain prepare` reads) and write `output_dir/vocab.txt`
+    (and `vocab-stats.json`: inputs, settings, what was read). The same inputs and settings give the same bytes.
 
     Documents are read, cleaned and split exactly as `prepare` does (see `bertrain.data.readers`), so the vocab
-    sees the same text the model will. Returns the path of vocab.txt (written atomically).
+    sees the same text the model will. The folder is locked for the call (`OutputLock`); an existing vocab.txt is
+    refused unless `overwrite`, which moves it aside (never deletes it). Returns the path of vocab.txt.
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
+    inputs = [str(p) for p in inputs]
     if vocab_size < len(special_tokens) + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: it must exceed the {len(special_tokens)} special tokens")
     opts = CorpusConfig(**(corpus_options or {}))
-    report = SkipReport()
-
-    def texts() -> Iterable[str]:
-        for doc in iter_documents([str(p) for p in inputs], opts, report):
-            yield doc.text
-
-    tok = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase)
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        limit_alphabet=limit_alphabet, special_tokens=list(special_tokens),
-                                        continuing_subword_prefix="##", show_progress=False)
-    tok.train_from_iterator(texts(), trainer=trainer)
-    report.log(logger)
-    vocab = tok.get_vocab()
-    ordered = sorted(vocab, key=vocab.__getitem__)
-    if report.documents == 0:
-        raise ValueError(f"no text found in {list(map(str, inputs))}: {report.summary()}")
-    out = Path(output_dir) / "vocab.txt"
-    atomic_write_text(out, "\n".join(ordered) + "\n")
-    logger.info("wrote %s: %d tokens (%s) from %d documents", out, len(ordered),
-                "uncased" if lowercase else "cased", report.documents)
+    out_dir = Path(output_dir)
+    out = out_dir / "vocab.txt"
+    settings = {"vocab_size": vocab_size, "lowercase": lowercase, "min_frequency": min_frequency,
+                "limit_alphabet": limit_alphabet, "special_tokens": list(special_tokens), **dataclasses.asdict(opts)}
+    with OutputLock(out_dir, "vocab"):
+        if out.exists() and not overwrite:
+            raise UserError(f"{out} already exists{_same_run_note(out_dir, inputs, settings)}; pass --overwrite to "
+                            "train it again (the old vocab.txt is moved aside, not deleted), or choose another "
+                            "--output")
+        t0 = time.perf_counter()
+        report = SkipReport()
+        counter = WordCounter(lowercase)
+        with Progress("vocab: reading", log=logger) as progress:
+            for doc in iter_documents(inputs, opts, report, progress=progress):
+                counter.add(doc.text)
+        report.log(logger, where=str(out_dir / VOCAB_STATS))
+        if report.documents == 0:
+            raise UserError(f"no text found in {inputs}: {report.summary()}")
+        words = counter.words()
+        logger.info("vocab: training %d WordPieces on %d distinct words (%d in all)", vocab_size, len(words),
+                    sum(words.values()))
+        ordered = wordpiece_from_counts(words, vocab_size, min_frequency, limit_alphabet, special_tokens)
+        text = "\n".join(ordered) + "\n"
+        stats = {"inputs": input_fingerprint(inputs), "settings": settings, "num_tokens": len(ordered),
+                 "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                 "num_words": sum(words.values()), "num_distinct_words": len(words),
+                 "replaced_characters": report.totals().get("replaced_characters", 0),
+                 "seconds": round(time.perf_counter() - t0, 3), "read": report.to_dict()}
+        _write_vocab(out_dir, text, stats, overwrite)
+    logger.info("wrote %s: %d tokens (%s) from %d documents%s", out, len(ordered),
+                "uncased" if lowercase else "cased", report.documents,
+                f"; {stats['replaced_characters']} invalid characters replaced" if stats["replaced_characters"] else "")
     return out
+
+
+def _same_run_note(out_dir: Path, inputs: list[str], settings: dict) -> str:
+    """A note for the refusal: whether the existing vocab came from the same inputs and settings."""
+    try:
+        old = json.loads((out_dir / VOCAB_STATS).read_text(encoding="utf-8"))
+        same = old["settings"] == settings and old["inputs"] == input_fingerprint(inputs)
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (" (trained on the same inputs with the same settings: it is the vocabulary this command would write)"
+            if same else " (trained on other inputs or settings)")
+
+
+def _write_vocab(out_dir: Path, text: str, stats: dict, overwrite: bool) -> None:
+    """vocab.txt and vocab-stats.json: both written under temporary names first, then the old ones moved aside
+    (with `overwrite`) and the new ones renamed into place, so a full disk leaves the old files untouched."""
+    names = ("vocab.txt", VOCAB_STATS)
+    new = [out_dir / f".{name}.new" for name in names]
+    try:
+        with writing(f"writing the vocabulary to {out_dir}", kept="nothing was written; an earlier vocab.txt "
+                     "there is unchanged"):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(new[0], text)
+            atomic_write_json(new[1], stats)
+        for name in names:
+            if overwrite and (out_dir / name).exists():
+                logger.info("moved the previous %s aside to %s", name, move_aside(out_dir / name).name)
+        with writing(f"renaming the new vocabulary into place in {out_dir}"):
+            for p, name in zip(new, names):
+                os.replace(p, out_dir / name)
+    finally:
+        for p in new:
+            p.unlink(missing_ok=True)
+    _fsync_dir(out_dir)
