@@ -319,10 +319,11 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool, status:
                 yield c
 
     writer: ShardWriter | None = None
+    written_at = 0.0  # the input position of the last chunk written
 
-    def needed() -> int | None:  # the rest of the store, estimated from what the input read so far gave
+    def needed() -> int | None:  # the rest of the store, estimated from what the input written so far gave
         written = sum(s["bytes"] for s in progress["shards"]) + (writer.n_tokens * dtype.itemsize if writer else 0)
-        share = shown.value / shown.total if shown.total else 0.0
+        share = written_at / shown.total if shown.total else 0.0
         return int(written / share - written) if share > 0.01 else None
 
     status.needed = needed
@@ -341,6 +342,7 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool, status:
                     status.doing = f"writing the token shard {path}"
                     writer = ShardWriter(path, dtype)
                 writer.add(ids, lens, counts)
+            written_at = shown.value
             if writer is not None and writer.n_tokens >= cfg.shard_tokens:
                 progress["shards"].append(writer.close())
                 writer = None
@@ -486,8 +488,9 @@ def _kept(work: Path) -> str:
         shutil.rmtree(work, ignore_errors=True)
         return "nothing finished was kept (the partial output is removed)"
     size = sum(f.stat().st_size for f in work.rglob("*") if f.is_file())
-    return (f"kept {len(shards)} finished shards ({size / 2**20:,.1f} MiB) in {work}: free space and re-run the same "
-            "command to resume from them, or delete that folder to free their space")
+    n = f"{len(shards)} finished shard" + ("s" if len(shards) > 1 else "")
+    return (f"kept {n} ({size / 2**20:,.1f} MiB) in {work}: free space and re-run the same command to resume from "
+            "there, or delete that folder to free the space")
 
 
 def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: float) -> dict[str, Any]:

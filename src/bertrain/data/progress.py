@@ -11,6 +11,8 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
+LOG_INTERVAL = 10.0  # seconds between two progress lines when stderr is not a terminal
+
 
 def _amount(value: float, unit: str) -> str:
     if unit == "B":
@@ -22,11 +24,13 @@ class Progress:
     """`with Progress("tokenizing", total=n_bytes) as p: ... p.set(done)` (or `p.update(k)`).
 
     `unit` "B" shows megabytes. A bar when stderr is a terminal (`bar=None`: decide by that), else an INFO line
-    every `interval` seconds: "tokenizing: 12.3 MB of 45.6 MB (27%), 3.1 MB/s, about 11 s left"."""
+    every `interval` seconds (default `LOG_INTERVAL`): "tokenizing: 12.3 MB of 45.6 MB (27%), 3.1 MB/s, about 11 s
+    left"."""
 
     def __init__(self, desc: str, total: float | None = None, unit: str = "B", log: logging.Logger = logger,
-                 interval: float = 10.0, bar: bool | None = None) -> None:
-        self.desc, self.total, self.unit, self.log, self.interval = desc, total, unit, log, interval
+                 interval: float | None = None, bar: bool | None = None) -> None:
+        self.desc, self.total, self.unit, self.log = desc, total, unit, log
+        self.interval = LOG_INTERVAL if interval is None else interval
         self.value = 0.0
         self.start = self.last = time.monotonic()
         use_bar = sys.stderr.isatty() if bar is None else bar
