@@ -384,6 +384,21 @@ def test_bad_input_after_finished_shards_removes_the_partial_build(tmp_path):
     assert not (tmp_path / "data.partial").exists() and digest(out) == before
 
 
+def test_inspect_interrupted_or_damaged_folder_one_line(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "data"
+    disk_full_at_shard(monkeypatch, "shard-00001.bts")
+    with pytest.raises(OutputError):
+        prepare(cfg(out))
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, "inspect", out)
+    assert code == 2 and "interrupted prepare" in one_line_error(err)
+    prepare(cfg(out, masking="none"))
+    (out / "stats.json").write_text("{not json")
+    code, _, err = run_cli(capsys, "inspect", out)
+    line = one_line_error(err)
+    assert code == 2 and "stats.json" in line and "re-run prepare" in line
+
+
 # ----------------------------------------------------------------------------------------------- 4. locks
 
 def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_path):
@@ -461,7 +476,7 @@ def test_prepare_and_vocab_report_progress_of_every_phase(tmp_path, monkeypatch,
     text = caplog.text
     assert "prepare: tokenizing:" in text and "(100%)" in text
     assert "prepare: static instances:" in text and "rows of" in text
-    assert "vocab: reading:" in text and "vocab: training" in text
+    assert "vocab: reading:" in text and "training 300 WordPieces" in text and "vocab: trained in" in text
 
 
 def test_per_file_warnings_capped_with_a_summary_line(tmp_path, caplog):

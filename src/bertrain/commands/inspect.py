@@ -10,6 +10,7 @@ from bertrain.data.pretraining import PretrainingDataset
 from bertrain.data.samples import SampleConfig
 from bertrain.data.store import TokenStore
 from bertrain.data.tokenizer import read_vocab
+from bertrain.utils.errors import UserError
 
 HELP = "print samples (tokens, ids, types, masks, NSP label) and stats of a prepared folder"
 
@@ -29,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     store = TokenStore(data_dir, verify=args.verify)  # clear errors for incomplete/corrupt folders
-    stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
+    try:
+        stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {data_dir / 'stats.json'}: {e} (re-run prepare with --overwrite)") from None
     recorded = dict(stats.get("sample_config") or {})  # static instances' settings and seed, if any
     seed = recorded.pop("seed", 12345)
     masking = args.masking

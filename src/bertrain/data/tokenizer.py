@@ -396,9 +396,12 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
         if report.documents == 0:
             raise UserError(f"no text found in {inputs}: {report.summary()}")
         words = counter.words()
-        logger.info("vocab: training %d WordPieces on %d distinct words (%d in all)", vocab_size, len(words),
-                    sum(words.values()))
+        logger.info("vocab: read %d documents in %.1f s; training %d WordPieces on %d distinct words (%d in all)%s",
+                    report.documents, time.perf_counter() - t0, vocab_size, len(words), sum(words.values()),
+                    "" if sys.stderr.isatty() else " (HF tokenizers: no progress lines until it ends)")
+        t1 = time.perf_counter()
         ordered = wordpiece_from_counts(words, vocab_size, min_frequency, limit_alphabet, special_tokens)
+        logger.info("vocab: trained in %.1f s", time.perf_counter() - t1)
         text = "\n".join(ordered) + "\n"
         stats = {"inputs": input_fingerprint(inputs), "settings": settings, "num_tokens": len(ordered),
                  "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
