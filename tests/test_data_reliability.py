@@ -399,6 +399,28 @@ def test_inspect_interrupted_or_damaged_folder_one_line(tmp_path, capsys, monkey
     assert code == 2 and "stats.json" in line and "re-run prepare" in line
 
 
+def test_mistyped_input_keeps_an_interrupted_build(tmp_path, monkeypatch):
+    """An interrupted build, then the command re-run with a typo in an input: refused before the partial folder is
+    touched; the corrected command then resumes it."""
+    out = tmp_path / "data"
+    disk_full_at_shard(monkeypatch, "shard-00002.bts")
+    with pytest.raises(OutputError):
+        prepare(cfg(out))
+    monkeypatch.undo()
+    partial = tmp_path / "data.partial"
+    before = digest(partial)
+    with pytest.raises(UserError, match="does not exist"):
+        prepare(cfg(out, inputs=["builtin:python-docs", str(tmp_path / "typo.txt")]))
+    assert digest(partial) == before
+    processed = []
+    real_tok = prep._tokenize_chunk
+    monkeypatch.setattr(prep, "_tokenize_chunk", lambda c: processed.append(1) or real_tok(c))
+    prepare(cfg(out))
+    resumed = len(processed)
+    prepare(cfg(tmp_path / "fresh"))
+    assert 0 < resumed <= len(processed) - resumed - 2 and not partial.exists()  # 2 shards' chunks not redone
+
+
 # ----------------------------------------------------------------------------------------------- 4. locks
 
 def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_path):

@@ -31,8 +31,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections import deque
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
@@ -270,6 +269,7 @@ class _Status:
 
     doing: str = ""
     needed: Callable[[], int | None] = lambda: None
+    owns_partial: bool = False  # the partial folder is this command's (resumed or started afresh)
 
 
 def _read_progress(path: Path) -> dict[str, Any] | None:
@@ -293,7 +293,11 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool, status:
                     old["chunks_done"])
     else:  # another command's (or no) partial build: nothing in it is ours (stale static instances included)
         for f in work.iterdir():
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
+            if f.is_dir():
+                shutil.rmtree(f)
+            else:
+                f.unlink()
+    status.owns_partial = True
     status.doing = f"creating {work / 'shards'}"
     (work / "shards").mkdir(parents=True, exist_ok=True)
     for f in (work / "shards").iterdir():  # shards not recorded as finished are redone
@@ -455,13 +459,15 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
             raise UserError(f"output {out} already exists; pass --overwrite to replace it (the old folder is kept "
                             f"until the new one is complete, then moved aside, not deleted)")
         identity = tokenizer_identity(cfg.vocab_file, cfg.do_lower_case)
+        resolve_inputs(cfg.inputs)  # a mistyped input: refused before the partial folder is touched
         status = _Status(f"creating {work}")
         try:
             stats = _build(cfg, work, identity, status, t0)
         except OutputError:
             raise
         except ValueError:  # bad input or settings: the inputs must change, which restarts the build anyway
-            shutil.rmtree(work, ignore_errors=True)
+            if status.owns_partial:
+                shutil.rmtree(work, ignore_errors=True)
             raise
         except OSError as e:
             raise OutputError(describe_os_error(e, status.doing, _kept(work), status.needed())) from e
