@@ -445,7 +445,7 @@ def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_pa
         with pytest.raises(UserError, match=r"in use by `bertrain vocab` \(pid"):
             train_vocab(["builtin:python-docs"], tmp_path / "v", vocab_size=300)
     assert not (tmp_path / "v" / "vocab.txt").exists()
-    assert lock_path(tmp_path / "v").name == ".v.lock"
+    assert lock_path(tmp_path / "v") == tmp_path / ".v.lock"
 
 
 def test_prepare_overwrite_moves_the_old_output_aside(tmp_path):

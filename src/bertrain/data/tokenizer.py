@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from bertrain.data.progress import Progress
-from bertrain.data.readers import CorpusConfig, SkipReport, input_fingerprint, iter_documents
+from bertrain.data.readers import CorpusConfig, SkipReport, input_fingerprint, iter_documents, resolve_inputs
 from bertrain.utils.errors import UserError, writing
 from bertrain.utils.io import _fsync_dir, atomic_write_json, atomic_write_text
 from bertrain.utils.rundir import OutputLock, move_aside
@@ -381,6 +381,7 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
     out = out_dir / "vocab.txt"
     settings = {"vocab_size": vocab_size, "lowercase": lowercase, "min_frequency": min_frequency,
                 "limit_alphabet": limit_alphabet, "special_tokens": list(special_tokens), **dataclasses.asdict(opts)}
+    resolve_inputs(inputs)  # a mistyped input: refused before anything is created
     with OutputLock(out_dir, "vocab"):
         if out.exists() and not overwrite:
             raise UserError(f"{out} already exists{_same_run_note(out_dir, inputs, settings)}; pass --overwrite to "
