@@ -399,6 +399,35 @@ def test_inspect_interrupted_or_damaged_folder_one_line(tmp_path, capsys, monkey
     assert code == 2 and "stats.json" in line and "re-run prepare" in line
 
 
+def test_kill_9_in_the_middle_of_a_shard_then_resume_gives_the_same_bytes(tmp_path):
+    """SIGKILL (no cleanup runs) while a shard is half written: no output, a partial folder with a stray temporary
+    shard; the same command then resumes (the stray file and the unrecorded shard are redone) to the bytes of an
+    uninterrupted run, and takes over the dead process's lock."""
+    out = tmp_path / "data"
+    script = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from bertrain.data.store import ShardWriter\n"
+        "from bertrain.data.prepare import prepare\n"
+        "from test_data_store import cfg\n"
+        "real = ShardWriter.add\n"
+        "def add(self, *a):\n"
+        "    real(self, *a)\n"
+        "    if self.path.name == 'shard-00002.bts':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "ShardWriter.add = add\n"
+        f"prepare(cfg({str(out)!r}))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    partial = tmp_path / "data.partial"
+    assert not out.exists() and (partial / "shards" / ".shard-00002.bts.tmp").exists()
+    prepare(cfg(out))
+    ref = tmp_path / "ref"
+    prepare(cfg(ref))
+    assert digest(out) == digest(ref) and not partial.exists()
+
+
 def test_mistyped_input_keeps_an_interrupted_build(tmp_path, monkeypatch):
     """An interrupted build, then the command re-run with a typo in an input: refused before the partial folder is
     touched; the corrected command then resumes it."""
