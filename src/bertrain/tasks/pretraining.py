@@ -92,6 +92,8 @@ class DataConfig:
     """Size of the vocabulary trained on the fly (only without vocab_file), or of synthetic samples' ids."""
     do_lower_case: bool = True
     """Lower-case and strip accents (uncased BERT)."""
+    encoding: str = "utf-8"
+    """Text encoding of raw `input` files (e.g. latin-1 for legacy text; UTF-8 is strict: a binary file is refused)."""
     masking: Literal["dynamic", "static"] = "dynamic"
     """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
     dupe_factor: int = 5
@@ -223,13 +225,15 @@ def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
         if d.vocab_file:
             raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist")
         log.info("training a %d-token WordPiece vocabulary on %s", d.vocab_size, ", ".join(d.input))
-        train_vocab(list(d.input), vocab_file.parent, vocab_size=d.vocab_size, lowercase=d.do_lower_case)
+        train_vocab(list(d.input), vocab_file.parent, vocab_size=d.vocab_size, lowercase=d.do_lower_case,
+                    corpus_options={"encoding": d.encoding})
     data_dir = out / "data"
     if not (data_dir / "stats.json").exists():
         log.info("preparing %s into %s", ", ".join(d.input), data_dir)
         prepare(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
                               masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
-                              do_lower_case=d.do_lower_case, seed=cfg.seed, overwrite=data_dir.exists()))
+                              do_lower_case=d.do_lower_case, seed=cfg.seed, encoding=d.encoding,
+                              overwrite=data_dir.exists()))
     return data_dir, vocab_file
 
 
