@@ -66,6 +66,10 @@ def test_a_rank_that_never_wrote_a_heartbeat_is_still_named() -> None:
     m = HeartbeatMonitor([3], timeout_s=5, collective_timeout_s=60, now=100.0)
     m.observe(3, None, 103.0)
     assert m.check(106.0)[0][1].startswith("rank 3 (no heartbeat yet) has not answered for 6 s: ")
+    # the pids and hosts gathered when the process group was created name it all the same
+    m = HeartbeatMonitor([3], timeout_s=5, collective_timeout_s=60, now=100.0,
+                         identities={3: {"pid": 9, "host": "nodeC"}})
+    assert m.check(106.0)[0][1].startswith("rank 3 (pid 9 on nodeC) has not answered for 6 s: ")
 
 
 def test_finished_and_failed_ranks() -> None:
@@ -77,6 +81,13 @@ def test_finished_and_failed_ranks() -> None:
     assert m.observe(2, value(9, failure="ValueError: boom", status="failed"), 2.0) == []  # once
     assert m.check(100.0) == []  # a finished or failed rank is not "silent"
     assert m.culprits(100.0) == ["rank 2 (pid 42 on hostB) failed: ValueError: boom"]
+
+
+def test_a_silent_rank_0_is_named_as_the_store_host() -> None:
+    m = HeartbeatMonitor([0], timeout_s=5, collective_timeout_s=60, now=0.0, store_host=0)
+    m.observe(0, value(1, pid=7, host="head"), 0.0)
+    assert m.check(6.0)[0][1].startswith("rank 0 (pid 7 on head), which holds the rendezvous store, has not "
+                                         "answered for 6 s")
 
 
 def test_a_store_that_fails_names_rank_0() -> None:
@@ -422,6 +433,29 @@ def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) ->
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}: continue with --resume auto" in line
         # one line, no gloo traceback: needs the CLI to print RankLost like RunStopped (see the report)
         # assert "Traceback" not in r0.output
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.slow
+@needs_wiring
+def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    procs = launch(tmp_path, 2, run_config(out, timeout_s=8))
+    r0, r1 = procs
+    try:
+        wait_for_checkpoint(out, procs)
+        os.kill(r0.pid, signal.SIGSTOP)  # the rendezvous store runs in rank 0's process: it stops too
+        t_stop = time.monotonic()
+        t_named, line = r1.wait_for(r"rank 0 \(pid \d+ on .*\), which holds the rendezvous store, has not answered",
+                                    timeout=30)
+        assert f"rank 0 (pid {r0.pid} on {HOST})" in line and t_named - t_stop < 3 + 4
+        rc, _ = r1.wait(timeout=120)
+        assert rc == EXIT_FAILED, r1.output[-3000:]
+        _, line = r1.wait_for(r"a collective timed out after distributed.timeout_s = 8 s", timeout=1)
+        assert f"rank 0 (pid {r0.pid} on {HOST}) has not answered for" in line
+        assert f"the last complete checkpoint is {last_complete_checkpoint(out)}" in line
     finally:
         for p in procs:
             p.kill()

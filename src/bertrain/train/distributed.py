@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -147,11 +148,21 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
                  backend, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
         torch_dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
                                       timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        # who is who, so that an error about rank r can name its pid and host even if r never said anything else
+        _identities[:] = gather_objects({"pid": os.getpid(), "host": socket.gethostname()})
     elif torch_dist.is_initialized():
         backend = torch_dist.get_backend()
     if device.type == "cpu":  # CPU steps re-allocate the same big buffers: keep them (see utils/memory.py)
         keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)
     return DistInfo(rank, world, local, device, rank == 0, backend)
+
+
+_identities: list[dict[str, Any]] = []
+
+
+def rank_identities() -> list[dict[str, Any]]:
+    """Every rank's {"pid", "host"}, in rank order, gathered when the process group was created ([] without one)."""
+    return list(_identities)
 
 
 def is_distributed() -> bool:
@@ -263,6 +274,7 @@ def heartbeat_store(timeout_s: float) -> Any | None:
 
 def cleanup() -> None:
     """Leave the process group (safe to call when none was created)."""
+    _identities.clear()
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
 

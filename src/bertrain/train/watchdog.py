@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 from bertrain.train.checkpoint import COMPLETE, list_checkpoints
 from bertrain.train.config import DistributedConfig
-from bertrain.train.distributed import DistInfo, heartbeat_store
+from bertrain.train.distributed import DistInfo, heartbeat_store, rank_identities
 from bertrain.utils.errors import EXIT_FAILED, EXIT_STOPPED
 
 log = logging.getLogger(__name__)
@@ -184,10 +184,10 @@ class HeartbeatMonitor:
     the lines to log (each situation once). Thread-safe; no I/O."""
 
     def __init__(self, ranks: list[int], timeout_s: float, collective_timeout_s: float, now: float,
-                 store_host: int | None = None) -> None:
+                 store_host: int | None = None, identities: dict[int, dict[str, Any]] | None = None) -> None:
         self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         self.store_host = store_host
-        self.peers = {r: Peer(r, now) for r in ranks}
+        self.peers = {r: Peer(r, now, info=dict((identities or {}).get(r, {}))) for r in ranks}
         self.store_lost: str | None = None
         """Why the rendezvous store stopped answering with an error (its host, rank 0, is gone)."""
         self._lock = threading.Lock()
@@ -200,9 +200,9 @@ class HeartbeatMonitor:
             if raw is None or raw == peer.raw:
                 return out
             try:
-                info = json.loads(raw)
+                info = {**peer.info, **json.loads(raw)}
             except ValueError:
-                info = {}
+                info = dict(peer.info)
             if peer.reported:
                 out.append((logging.WARNING, f"{peer.name()} answers again after {now - peer.seen_at:.0f} s"))
                 peer.reported = False
@@ -237,7 +237,7 @@ class HeartbeatMonitor:
     def silence_message(self, peer: Peer, now: float) -> str:
         step = peer.info.get("step")
         last = f", last finished step {step}" if step else ""
-        store = ", which holds the rendezvous store" if peer.rank == self.store_host else ""
+        store = ", which holds the rendezvous store," if peer.rank == self.store_host else ""
         return (f"{peer.name()}{store} has not answered for {now - peer.seen_at:.0f} s{last}: stopped, swapped out "
                 f"or hung? The job fails at the collective timeout (distributed.timeout_s = "
                 f"{self.collective_timeout_s:g} s) unless it comes back")
@@ -501,7 +501,7 @@ class Watchdog:
         rank, world = self.dist.rank, self.dist.world_size
         watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
         self.monitor = HeartbeatMonitor(watched, self.cfg.heartbeat_timeout_s, self.cfg.timeout_s, time.monotonic(),
-                                        store_host=0)
+                                        store_host=0, identities=dict(enumerate(rank_identities())))
         self._store.set(HEARTBEAT_KEY.format(rank=rank), heartbeat_value(0, self.step))
         self._last_read = time.monotonic()
         self._spawn(self._heartbeat_loop, "bertrain-heartbeat")
@@ -520,11 +520,12 @@ class Watchdog:
                 for r, raw in values.items():
                     for level, line in self.monitor.observe(r, raw, now):
                         log.log(level, "%s", line)
-            except Exception as e:  # a store that fails (rather than waits) is gone: stop using it
+            except Exception as e:  # stop using a store that failed: its connection may be out of step
                 self._store_busy_since = None
                 self._store_broken = True
-                for level, line in self.monitor.lose_store(_first_line(e)):
-                    log.log(level, "%s", line)
+                if not _is_timeout(e):  # an error, not a wait: the process holding the store is gone
+                    for level, line in self.monitor.lose_store(_first_line(e)):
+                        log.log(level, "%s", line)
                 return
         self._write_final()
 
@@ -555,7 +556,7 @@ class Watchdog:
         waiting for more than two intervals (the store lives in rank 0: a store that does not reply is a rank 0
         that does not run). So a rank that was itself frozen does not, once thawed, accuse the others."""
         busy = self._store_busy_since
-        if busy is not None and now - busy > 2 * self.cfg.heartbeat_interval_s:
+        if self._store_broken or (busy is not None and now - busy > 2 * self.cfg.heartbeat_interval_s):
             return now
         return self._last_read
 
@@ -564,6 +565,10 @@ class Watchdog:
             return
         for level, line in self.monitor.check(self._horizon(now)):
             log.log(level, "%s", line)
+
+    def _describe(self, rank: int, info: dict[str, Any]) -> str:
+        ids = rank_identities()
+        return Peer(rank, 0.0, info={**(ids[rank] if rank < len(ids) else {}), **info}).name()
 
     def _culprits(self, probe: bool) -> list[str]:
         """The ranks known to have failed or gone silent; with `probe`, when none is known, read every rank's
@@ -587,19 +592,20 @@ class Watchdog:
             try:
                 store = self._store  # this connection: a new one to a dead store would retry for the timeout
                 first = read(store)
-                found.extend(f"{_describe(r, info)} failed: {info['failure']}" for r, info in first.items()
+                found.extend(f"{self._describe(r, info)} failed: {info['failure']}" for r, info in first.items()
                              if info.get("failure"))
                 if found:
                     return
                 time.sleep(self.cfg.heartbeat_interval_s * 1.5)
                 second = read(store)
-                found.extend(f"{_describe(r, info)} stopped answering (its heartbeat stopped: crashed, killed or "
+                found.extend(f"{self._describe(r, info)} stopped answering (its heartbeat stopped: crashed, killed or "
                              "frozen?)" for r, info in second.items()
                              if info == first[r] and info.get("status", "running") == "running")
             except Exception as e:
                 assert self.monitor is not None
                 self._store_broken = True
-                self.monitor.lose_store(_first_line(e))
+                if not _is_timeout(e):
+                    self.monitor.lose_store(_first_line(e))
                 found.extend(self.monitor.culprits(time.monotonic()))
 
         t = threading.Thread(target=run, name="bertrain-watchdog-probe", daemon=True)
@@ -608,10 +614,13 @@ class Watchdog:
         return list(found)
 
 
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:160]
 
 
-def _describe(rank: int, info: dict[str, Any]) -> str:
-    return Peer(rank, 0.0, info=info).name()
