@@ -7,6 +7,11 @@ Each subcommand lives in its own module under `bertrain/commands/` and provides
     def run(args) -> int                   # does the work, returns the exit code
 
 Modules are imported lazily, so `bertrain info` does not pay for importing the trainer.
+
+`main` ends every command with a documented exit code (README "Exit codes", `bertrain.utils.errors`): 0 finished;
+1 an unexpected error (traceback); 2 a user error — bad input or config, an unknown option or config key, an
+`OSError` the user can cause (full disk, permission, read-only or missing path) — in one line; 3 stopped (a signal,
+Ctrl-C, the watchdog), resumable. `--debug` adds the traceback to 2 and 3.
 """
 from __future__ import annotations
 
@@ -14,7 +19,14 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
+import traceback
+
+from bertrain.utils.errors import (EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, RunStopped,
+                                   describe_os_error, is_user_os_error)
+
+log = logging.getLogger("bertrain")
 
 # name -> one-line help. Order here is the order shown in --help. A command whose module is absent is not offered.
 # The help lines live here (not only in the modules) so that `bertrain --help` and `bertrain info` import nothing
@@ -28,10 +40,14 @@ COMMANDS = {
     "inspect": "print samples and statistics of a prepared data folder",
     "pretrain": "pretrain BERT (MLM+NSP) on one process, torchrun, Slurm or mpirun",
     "finetune": "fine-tune on SQuAD v1.1/v2.0 or a GLUE task",
-    "evaluate": "score predictions with the official SQuAD / GLUE metrics",
+    "evaluate": "score SQuAD predictions with the official v1.1/v2.0 metrics (GLUE: finetune glue scores it)",
     "predict": "answer questions or classify sentences with a fine-tuned model",
     "bench": "measure training and inference speed (optionally against HF transformers)",
 }
+
+# Commands whose PyTorch work runs on CPU threads chosen from the usable CPUs and the load (bertrain.utils.threads).
+# `bench` keeps its own --threads; the others compute nothing worth threading.
+THREADED = ("pretrain", "finetune", "predict", "evaluate")
 
 
 def _available() -> list[str]:
@@ -45,8 +61,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bertrain",
         description="Train BERT end to end: vocab -> prepare -> pretrain -> finetune -> evaluate -> predict.",
+        epilog="exit codes: 0 finished, 1 unexpected error (a bug; traceback), 2 user error (bad input, config, "
+               "option or output folder; full disk; permissions; one line), 3 stopped early, resumable with "
+               "--resume auto (a signal, Ctrl-C, the watchdog).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true",
+                        help="also print the traceback of a user error (exit 2) or a stop (exit 3)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _available():
         if name == chosen:
@@ -59,9 +80,62 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)sub-parser that parsed the command's own options, e.g. the one of `bertrain finetune glue`."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub is not None else None
+        if name is None or name not in sub.choices:
+            return parser
+        parser = sub.choices[name]
+
+
+def _unknown_arguments(leaf: argparse.ArgumentParser, extras: list[str]) -> str:
+    """One line for arguments nobody declared: a config key gets "did you mean", another option a close option."""
+    import difflib
+
+    from bertrain.config import suggest_keys, unknown_key_message
+
+    config_keys = [a.dest[4:] for a in leaf._actions if a.dest.startswith("cfg:")]
+    options = [o for a in leaf._actions for o in a.option_strings if o.startswith("--")]
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    problems = []
+    for flag in flags:
+        key = flag[2:]
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
+        if config_keys and ("." in key or (not close and suggest_keys(key, config_keys))):
+            problems.append(unknown_key_message(key, config_keys))
+        else:
+            problems.append(f"unrecognized argument {flag}" + (f" — did you mean {close[0]}?" if close else ""))
+    return "; ".join(problems)
+
+
+def _describe_stop(e: RunStopped) -> str:
+    text = str(e) or "stopped"
+    if e.checkpoint is not None and str(e.checkpoint) not in text:
+        text += f"; the last checkpoint is {e.checkpoint} (continue with --resume auto)"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    """Run one `bertrain` command; returns its exit code (see the module docstring). A usage error (an unknown
+    option or config key, a missing argument) raises SystemExit(2) as argparse does."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv  # known before parsing, so even an interrupted import is reported as asked
+    try:
+        parser = build_parser(argv)
+        args, extras = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("bertrain: interrupted", file=sys.stderr)
+        return EXIT_STOPPED
+    if extras:
+        leaf = _leaf_parser(parser, args)
+        print(f"{leaf.prog}: error: {_unknown_arguments(leaf, extras)} (see {leaf.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -69,19 +143,49 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USER_ERROR
+    name = f"bertrain {args.command}"
+    debug = args.debug
+
+    def fail(code: int, message: str) -> int:
+        if debug:
+            traceback.print_exc()
+        print(f"{name}: {message}", file=sys.stderr)
+        return code
+
     try:
+        if args.command in THREADED:
+            from bertrain.utils.threads import apply_threads
+            apply_threads(log)
         return int(args._module.run(args) or 0)
-    except ValueError as e:  # user input problems: one clear line, no traceback
-        if args.verbose:
-            raise
-        print(f"bertrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        if args.verbose:
-            raise
-        print(f"bertrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except RunStopped as e:
+        return fail(EXIT_STOPPED, f"stopped: {_describe_stop(e)}")
+    except KeyboardInterrupt:
+        resume = " (a training run continues from its last checkpoint with --resume auto)" if args.command in (
+            "pretrain", "finetune") else ""
+        return fail(EXIT_STOPPED, f"interrupted{resume}")
+    except BrokenPipeError:
+        # The reader of our output went away (`bertrain predict ... | head`): not an error of ours. Python would
+        # complain again when it flushes stdout at exit; point stdout at /dev/null first.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+    except ValueError as e:  # user input problems (UserError, OutputError, config errors): one clear line
+        return fail(EXIT_USER_ERROR, f"error: {e}")
+    except OSError as e:
+        if is_user_os_error(e):
+            return fail(EXIT_USER_ERROR, describe_os_error(e, "error"))
+        traceback.print_exc()
+        print(f"{name}: unexpected error ({type(e).__name__}: {e}); the traceback above says where "
+              "(please report it)", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as e:
+        traceback.print_exc()
+        print(f"{name}: unexpected error ({type(e).__name__}: {e}); the traceback above says where "
+              "(please report it)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

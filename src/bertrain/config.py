@@ -8,18 +8,23 @@ does; `field_docs` reads those docstrings from the source so that they become th
         lr: float = 1e-4
         \"\"\"Peak learning rate.\"\"\"
 
-Loading is strict: an unknown key, or a value of the wrong type, is a `ValueError` that names the dotted key.
-`__post_init__` of a config may raise `ValueError` for bad combinations; the message is prefixed with the key.
+Loading is strict: an unknown key, or a value of the wrong type, is a `ValueError` that names the dotted key (and
+suggests the key that was probably meant). `__post_init__` of a config may raise `ValueError` for bad combinations;
+the message names the key, and `load_config` adds where each named key was set: the command line, the config file,
+or nowhere (the default).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import dataclasses
+import difflib
 import functools
 import inspect
 import json
 import os
+import re
 import textwrap
 import types
 import typing
@@ -167,6 +172,57 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# ----------------------------------------------------------------------------------------------- key names
+
+def config_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a (nested) config class: sections and leaves, in declaration order."""
+    keys = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = _join(prefix, f.name)
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(config_keys(hints[f.name], key))
+    return keys
+
+
+def suggest_keys(key: str, known: list[str] | tuple[str, ...]) -> list[str]:
+    """The known key(s) probably meant by `key`: a close name in the same section (train.stepz -> train.steps), else
+    the same or a close name in another section (lr -> optim.lr), else a close dotted key; [] when nothing is close."""
+    head, _, tail = key.rpartition(".")
+    same = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == head}
+    m = difflib.get_close_matches(tail, list(same), n=1, cutoff=0.6)
+    if m:
+        return [same[m[0]]]
+    by_tail: dict[str, list[str]] = collections.defaultdict(list)
+    for k in known:
+        by_tail[k.rpartition(".")[2]].append(k)
+    m = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.8)
+    if m:
+        return by_tail[m[0]][:3]
+    return difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
+
+
+class UnknownKeyError(ValueError):
+    """A config key that no config class declares (the message suggests the one probably meant)."""
+
+
+def unknown_key_message(key: str, known: list[str] | tuple[str, ...], spell=lambda k: f"'{k}'") -> str:
+    """"unknown config key 'train.stepz' — did you mean 'train.steps'?" (or the keys of its section when nothing is
+    close). `spell` writes a key as the user would type it ("--train.steps" on the command line)."""
+    guesses = suggest_keys(key, known)
+    if guesses:
+        return f"unknown config key {spell(key)} — did you mean {' or '.join(spell(g) for g in guesses)}?"
+    head = key.rpartition(".")[0]
+    here = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == head)
+    if not here:
+        here = sorted(k for k in known if "." not in k)
+        head = ""
+    return f"unknown config key {spell(key)}; known keys{' in ' + head if head else ''}: {', '.join(here)}"
+
+
 # ----------------------------------------------------------------------------------------------- load / dump
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", from_string: bool = False) -> T:
@@ -177,13 +233,15 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", from_string:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        names = ", ".join(f"'{_join(prefix, k)}'" for k in unknown)
-        raise ValueError(f"unknown config key {names}; known keys here: {', '.join(sorted(fields))}")
+        known = config_keys(cls, prefix)
+        raise UnknownKeyError("; ".join(unknown_key_message(_join(prefix, k), known) for k in unknown))
     kwargs = {k: _coerce(hints[k], v, _join(prefix, k), from_string) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ValueError as e:
-        raise ValueError(f"{prefix + ': ' if prefix else ''}{e}") from None
+        if not prefix or "config key" in str(e):  # the message names its key already
+            raise
+        raise ValueError(f"{prefix}: {e}") from None
 
 
 def _join(prefix: str, key: str) -> str:
@@ -233,34 +291,117 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 def _resolve_strings(cls: type, data: dict[str, Any], overrides: dict[str, str]) -> None:
     """Convert override strings by the annotation of the key they target (so `--train.steps 10` becomes int)."""
+    known = config_keys(cls)
     for key, raw in overrides.items():
         tp: Any = cls
-        for i, part in enumerate(key.split(".")):
-            if not dataclasses.is_dataclass(tp):
-                raise ValueError(f"unknown config key '{key}'")
-            hints = _hints(tp)
+        for part in key.split("."):
+            hints = _hints(tp) if dataclasses.is_dataclass(tp) else {}
             if part not in hints:
-                prefix = ".".join(key.split(".")[:i])
-                known = ", ".join(sorted(f.name for f in dataclasses.fields(tp)))
-                raise ValueError(f"unknown config key '{key}'; known keys{' in ' + prefix if prefix else ''}: {known}")
+                raise UnknownKeyError(unknown_key_message(key, known) + " (on the command line)")
             tp = hints[part]
-        value = _coerce(tp, raw, key, from_string=True) if isinstance(raw, str) else raw
+        try:
+            value = _coerce(tp, raw, key, from_string=True) if isinstance(raw, str) else raw
+        except ValueError as e:
+            raise ValueError(f"{e} (--{key} on the command line)") from None
         set_dotted(data, key, to_dict(value))
+
+
+# An example recipe per config class, named when a command runs without --config and the defaults are not enough.
+EXAMPLE_CONFIGS = {
+    "PretrainConfig": "configs/quickstart.yaml",
+    "SquadFinetuneConfig": "configs/finetune-squad.yaml",
+    "GlueFinetuneConfig": "configs/finetune-glue.yaml",
+}
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None = None,
                 overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> T:
-    """`base` dict, then the file at `path`, then dotted `overrides` (strings are parsed by the key's type)."""
+    """`base` dict, then the file at `path`, then dotted `overrides` (strings are parsed by the key's type).
+
+    An error names where each key it mentions was set: on the command line, in the file, or nowhere (default).
+    """
     data: dict[str, Any] = _deep_merge({}, base or {})
+    file_data: dict[str, Any] = {}
     if path is not None:
-        data = _deep_merge(data, load_file(path))
+        file_data = load_file(path)
+        data = _deep_merge(data, file_data)
+    overrides = dict(overrides or {})
+    sources = _Sources(path, file_data, overrides, base or {})
     if overrides:
-        _resolve_strings(cls, data, dict(overrides))
+        try:
+            _resolve_strings(cls, data, overrides)
+        except ValueError as e:
+            raise type(e)(str(e)) from None  # already says "on the command line"
     try:
         return from_dict(cls, data)
+    except UnknownKeyError as e:
+        raise UnknownKeyError(sources.explain(cls, str(e), unknown=True)) from None
     except ValueError as e:
-        where = f" (from {path})" if path is not None else ""
-        raise ValueError(f"{e}{where}") from None
+        raise ValueError(sources.explain(cls, str(e))) from None
+
+
+class _Sources:
+    """Where each dotted key of a loaded config came from, to blame the right one in an error."""
+
+    def __init__(self, path: str | os.PathLike | None, file_data: dict[str, Any], overrides: dict[str, Any],
+                 base: dict[str, Any]) -> None:
+        self.path = path
+        self.file_keys = set(_flatten(file_data))
+        self.override_keys = set(overrides)
+        self.base_keys = set(_flatten(base))
+
+    @staticmethod
+    def _touches(key: str, keys: set[str]) -> bool:
+        """`key` or a key inside it (when `key` is a section) was set."""
+        return any(k == key or k.startswith(key + ".") for k in keys)
+
+    def where(self, key: str) -> str | None:
+        if self._touches(key, self.override_keys):
+            return "the command line"
+        if self.path is not None and self._touches(key, self.file_keys):
+            return str(self.path)
+        if self._touches(key, self.base_keys):
+            return "the base config"
+        return None
+
+    def explain(self, cls: type, message: str, unknown: bool = False) -> str:
+        if unknown:  # only the file (or base) can hold an unknown key here: the command line's were checked first
+            return f"{message} (in {self.path})" if self.path is not None else message
+        known = set(config_keys(cls))
+        named = list(dict.fromkeys(k for k in re.findall(r"'([A-Za-z_]\w*(?:\.\w+)*)'", message) if k in known))
+        if not named:
+            if self.path is None:
+                return message
+            return f"{message} (from {self.path}{' and the command line' if self.override_keys else ''})"
+        by_source: dict[str | None, list[str]] = collections.defaultdict(list)
+        for k in named:
+            by_source[self.where(k)].append(k)
+        parts = []
+        for source, keys in by_source.items():
+            if source == "the command line":
+                parts.append(f"{', '.join('--' + k for k in keys)} on the command line")
+            elif source is not None:
+                parts.append(f"{', '.join(keys)} from {source}")
+            else:
+                parts.append(f"{', '.join(keys)} not set: the default{'s' if len(keys) > 1 else ''}")
+        message = f"{message} ({'; '.join(parts)})"
+        if self.path is None and list(by_source) == [None]:
+            example = getattr(cls, "example_config", None) or EXAMPLE_CONFIGS.get(cls.__name__)
+            leaves = [k for k in named if not any(o.startswith(k + ".") for o in known)]
+            message += (" — no --config was given: use a config file"
+                        + (f" (e.g. --config {example})" if example else "")
+                        + (f" or set {' / '.join('--' + k for k in leaves)} on the command line" if leaves else ""))
+        return message
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        key = _join(prefix, str(k))
+        out.append(key)
+        if isinstance(v, dict):
+            out.extend(_flatten(v, key))
+    return out
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -280,23 +421,54 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
 
 # ----------------------------------------------------------------------------------------------- argparse
 
-def iter_fields(cls: type, prefix: str = ""):
-    """Yield (dotted_key, type, default, doc) for every leaf field of a nested config dataclass."""
+def default_instance(cls: type[T]) -> T:
+    """The config a run with no file and no overrides starts from, built without validation.
+
+    Each field takes its `default`, or calls its `default_factory` (so fine-tuning's `_optim_default` lr 3e-5 is
+    seen, not OptimConfig's 1e-4). A factory that is a config class itself is built the same way, recursively, and
+    `__post_init__` never runs: top-level configs refuse empty required keys, and the defaults are needed anyway for
+    `--help`.
+    """
+    obj = cls.__new__(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            factory = f.default_factory  # type: ignore[misc]
+            if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+                value = default_instance(factory)
+            else:
+                try:
+                    value = factory()
+                except ValueError:  # a factory that validates an incomplete config
+                    value = default_instance(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+        else:
+            value = default_instance(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+def iter_fields(cls: type, prefix: str = "", defaults: Any = None):
+    """Yield (dotted_key, type, default, doc) for every leaf field of a nested config dataclass.
+
+    Defaults are those a run gets with no file and no overrides (`default_instance(cls)`): a subclass's
+    `default_factory` for a section wins over the section class's own field defaults."""
+    if defaults is None:
+        defaults = default_instance(cls)
     hints = _hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
         key = _join(prefix, f.name)
         tp = hints[f.name]
+        value = getattr(defaults, f.name, None)
         if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, key)
+            sub = type(value) if dataclasses.is_dataclass(value) else tp
+            yield from iter_fields(sub, key, value if dataclasses.is_dataclass(value) else default_instance(sub))
             continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = None
-        yield key, tp, default, docs.get(f.name, "")
+        yield key, tp, value, docs.get(f.name, "")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bertrain.utils.errors import UserError, writing
 from bertrain.utils.io import atomic_dir
 
 HELP = "import an HF/Google BERT folder (.safetensors or .bin, any heads) into a bertrain model folder"
@@ -12,23 +13,58 @@ HELP = "import an HF/Google BERT folder (.safetensors or .bin, any heads) into a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and model weights (+ vocab.txt)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the bertrain (HF-format) model folder")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    add_overwrite_argument(parser)
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="OUT_DIR exists and is not empty: write the new folder anyway; the old one is moved "
+                             "aside to OUT_DIR.replaced-<time>, never deleted")
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse to write into an existing non-empty folder unless told to."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ValueError(f"{out} already exists and is not empty (pass --overwrite to replace it)")
+    """Refuse to write into an existing non-empty folder (or over a file) unless told to."""
+    if _occupied(out) and not overwrite:
+        raise UserError(f"{out} already exists and is not empty: pass --overwrite to write there anyway (the old "
+                        "one is moved aside, not deleted), or choose another folder")
+
+
+def _occupied(out: Path) -> bool:
+    return out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir())))
+
+
+def write_model_folder(model, out: Path, command: str) -> Path | None:
+    """`model.save_pretrained` into `out`, atomically; an occupied `out` (allowed by --overwrite) is moved aside
+    once the new folder is complete. Returns where the old one went. Hold `OutputLock(out)` around it."""
+    from bertrain.utils.rundir import move_aside
+
+    moved: list[Path] = []
+
+    def aside(path: Path) -> None:
+        if _occupied(path):
+            moved.append(move_aside(path))
+        else:  # an empty folder: nothing to keep
+            path.rmdir()
+
+    kept = f"{out} is unchanged" if out.exists() else f"nothing was written to {out}"
+    with writing(f"{command}: writing {out}", kept=f"{kept} (the partial copy was removed)"):
+        with atomic_dir(out, move_existing=aside) as tmp:
+            model.save_pretrained(tmp)
+    if moved:
+        print(f"moved the previous {out} aside to {moved[0]}")
+    return moved[0] if moved else None
 
 
 def run(args: argparse.Namespace) -> int:
     from bertrain.model.bert import BertForPreTraining  # torch: only when run (--help stays instant)
 
+    from bertrain.utils.rundir import OutputLock
+
     out = Path(args.out_dir)
-    check_out_dir(out, args.overwrite)
-    model = BertForPreTraining.from_pretrained(args.hf_dir)
-    with atomic_dir(out, overwrite=out.exists()) as tmp:
-        model.save_pretrained(tmp)
+    with OutputLock(out, "convert"):
+        check_out_dir(out, args.overwrite)
+        model = BertForPreTraining.from_pretrained(args.hf_dir)
+        write_model_folder(model, out, "convert")
     initialised = model.loading_info["initialized"]
     print(f"converted {args.hf_dir} -> {out} (BertForPreTraining, {model.num_parameters():,} parameters)")
     if initialised:

@@ -1,11 +1,16 @@
-"""`bertrain evaluate squad`: the official SQuAD v1.1 / v2.0 numbers for any predictions file, as JSON."""
+"""`bertrain evaluate squad`: the official SQuAD v1.1 / v2.0 numbers for any predictions file, as JSON.
+
+(SQuAD only: GLUE dev sets are scored by `bertrain finetune glue`, which writes eval_results.json.)"""
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
-HELP = "score predictions with the official SQuAD v1.1/v2.0 evaluation (prints JSON)"
+log = logging.getLogger(__name__)
+
+HELP = "score SQuAD predictions with the official v1.1/v2.0 evaluation (prints JSON; GLUE: finetune glue scores it)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +41,7 @@ def _read_json_object(path: str, what: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     from bertrain.tasks.metrics import evaluate_squad
     from bertrain.tasks.squad import load_dataset_json
+    from bertrain.utils.errors import writing
     from bertrain.utils.io import atomic_write_json
 
     dataset = load_dataset_json(args.data)
@@ -49,8 +55,15 @@ def run(args: argparse.Namespace) -> int:
         for qid, v in na_probs.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{args.na_prob_file}: value for question id {qid} is not a number: {v!r}")
+    qids = {qa["id"] for article in dataset.get("data", []) for p in article.get("paragraphs", [])
+            for qa in p.get("qas", [])}
+    strangers = [qid for qid in preds if qid not in qids]
+    if strangers:  # the official scripts ignore them silently; usually the wrong data file or a wrong split
+        log.warning("%d of %d predictions are for question ids not in %s (ignored), e.g. %s", len(strangers),
+                    len(preds), args.data, ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else ""))
     result = evaluate_squad(dataset, preds, na_probs, version=args.version, na_prob_thresh=args.na_prob_thresh)
     print(json.dumps(result, indent=2))
     if args.output:
-        atomic_write_json(args.output, result)
+        with writing(f"writing the scores to {args.output}"):
+            atomic_write_json(args.output, result)
     return 0

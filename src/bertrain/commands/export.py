@@ -5,8 +5,7 @@ import argparse
 import re
 from pathlib import Path
 
-from bertrain.commands.convert import check_out_dir
-from bertrain.utils.io import atomic_dir
+from bertrain.commands.convert import add_overwrite_argument, check_out_dir, write_model_folder
 
 HELP = "export a bertrain checkpoint (or run folder: its latest checkpoint) as a clean Hugging Face model folder"
 
@@ -15,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
                         help="a checkpoint folder (step-N), a model folder, or a run folder holding step-N folders")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model folder")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    add_overwrite_argument(parser)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -32,12 +31,14 @@ def resolve_checkpoint(path: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from bertrain.model.hf import model_class_for  # torch: only when run (--help stays instant)
 
+    from bertrain.utils.rundir import OutputLock
+
     out = Path(args.out_dir)
-    check_out_dir(out, args.overwrite)
-    src = resolve_checkpoint(Path(args.checkpoint_dir))
-    cls = model_class_for(src)
-    model = cls.from_pretrained(src)
-    with atomic_dir(out, overwrite=out.exists()) as tmp:
-        model.save_pretrained(tmp)
+    with OutputLock(out, "export"):
+        check_out_dir(out, args.overwrite)
+        src = resolve_checkpoint(Path(args.checkpoint_dir))
+        cls = model_class_for(src)
+        model = cls.from_pretrained(src)
+        write_model_folder(model, out, "export")
     print(f"exported {src} -> {out} ({cls.__name__}, {model.num_parameters():,} parameters)")
     return 0

@@ -1,6 +1,8 @@
 """`bertrain predict`: batched QA or classification predictions from a file, stdin or the command line.
 
-Output is JSON lines (one object per input) on stdout or --output; throughput goes to stderr.
+Output is JSON lines (one object per input, in input order) on stdout or --output; throughput goes to stderr.
+An input without an "id" is numbered by its position among the inputs, from 0. `--output` is written atomically
+once every input is predicted: an error or Ctrl-C leaves an existing file as it was.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: from the folder's task.json or config.json head")
     parser.add_argument("--input", default=None,
                         help="JSONL or TSV file, '-' for stdin (QA: {question, context} / question<TAB>context; "
-                             "classification: {text[, text_pair]} / text[<TAB>text_pair])")
+                             "classification: {text[, text_pair]} / text[<TAB>text_pair]); an item without an "
+                             "\"id\" is numbered by its position, from 0")
     parser.add_argument("--format", choices=["jsonl", "tsv"], default=None,
                         help="input format (default: from the file suffix; jsonl for stdin)")
     parser.add_argument("--question", default=None, help="one QA question (with --context)")
@@ -36,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from bertrain.tasks.predict import Predictor, batched, read_items
+    from bertrain.utils.errors import UserError, writing
     from bertrain.utils.io import atomic_write_text
 
     if args.batch_size < 1:
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 item["text_pair"] = args.text_pair
             items_iter = iter([item])
         f = None
+        name = "the command line"
     else:
         src = args.input or "-"
         fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else "jsonl")
@@ -74,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
     lines: list[str] = []
     out = sys.stdout if args.output is None else None
+    count = 0
     try:
         # Read in chunks of several batches so stdin streams and a large file never sits in memory at once.
         for chunk in batched(items_iter, args.batch_size * 8):
+            count += len(chunk)
             for rec in p.predict(chunk, **kwargs):
                 line = json.dumps(rec, ensure_ascii=False)
                 if out is not None:
@@ -86,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if f is not None and f is not sys.stdin:
             f.close()
+    if count == 0:
+        raise UserError(f"{name} holds no items (it is empty or has only blank lines): nothing to predict"
+                        + (f"; {args.output} was not written" if args.output else ""))
     if args.output is not None:
-        atomic_write_text(args.output, "".join(x + "\n" for x in lines))
+        with writing(f"writing the predictions to {args.output}",
+                     kept=f"{args.output} is unchanged" if Path(args.output).exists() else None):
+            atomic_write_text(args.output, "".join(x + "\n" for x in lines))
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} examples in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
           f"batch size {args.batch_size}, {p.task})", file=sys.stderr)

@@ -47,6 +47,14 @@ def normalize_answer(s: str) -> str:
     return white_space_fix(remove_articles(remove_punc(s.lower())))
 
 
+def report_missing(missing: Sequence[str], total: int, consequence: str) -> None:
+    """One warning for every question without a prediction (the official scripts print one line per question:
+    316 lines for a predictions file that lacks one article)."""
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        log.warning("%d of %d questions have no prediction (%s), e.g. %s", len(missing), total, consequence, shown)
+
+
 # ----------------------------------------------------------------------------------------------- SQuAD v1.1
 
 def f1_score_v1(prediction: str, ground_truth: str) -> float:
@@ -75,16 +83,17 @@ def metric_max_over_ground_truths(metric_fn, prediction: str, ground_truths: Seq
 def evaluate_v1(dataset: list[dict[str, Any]], predictions: Mapping[str, str]) -> dict[str, float]:
     """evaluate-v1.1.py `evaluate`: {'exact_match', 'f1'} on a 0-100 scale over every question in `dataset`.
 
-    `dataset` is the JSON file's `data` list. A question without a prediction scores 0 (and is logged).
+    `dataset` is the JSON file's `data` list. A question without a prediction scores 0 (one warning counts them).
     """
     f1 = exact_match = 0.0
     total = 0
+    missing: list[str] = []
     for article in dataset:
         for paragraph in article["paragraphs"]:
             for qa in paragraph["qas"]:
                 total += 1
                 if qa["id"] not in predictions:
-                    log.warning("Unanswered question %s will receive score 0.", qa["id"])
+                    missing.append(qa["id"])
                     continue
                 ground_truths = [x["text"] for x in qa["answers"]]
                 prediction = predictions[qa["id"]]
@@ -92,6 +101,7 @@ def evaluate_v1(dataset: list[dict[str, Any]], predictions: Mapping[str, str]) -
                 f1 += metric_max_over_ground_truths(f1_score_v1, prediction, ground_truths)
     if total == 0:
         raise ValueError("the SQuAD dataset has no questions")
+    report_missing(missing, total, "score 0")
     return {"exact_match": 100.0 * exact_match / total, "f1": 100.0 * f1 / total}
 
 
@@ -135,20 +145,24 @@ def make_qid_to_has_ans(dataset: list[dict[str, Any]]) -> dict[str, bool]:
 def get_raw_scores(dataset: list[dict[str, Any]], preds: Mapping[str, str]) -> tuple[dict[str, int], dict[str, float]]:
     exact_scores: dict[str, int] = {}
     f1_scores: dict[str, float] = {}
+    missing: list[str] = []
+    total = 0
     for article in dataset:
         for p in article["paragraphs"]:
             for qa in p["qas"]:
                 qid = qa["id"]
+                total += 1
                 gold_answers = [a["text"] for a in qa["answers"] if normalize_answer(a["text"])]
                 if not gold_answers:
                     # For unanswerable questions, only correct answer is empty string
                     gold_answers = [""]
                 if qid not in preds:
-                    log.warning("Missing prediction for %s", qid)
+                    missing.append(qid)
                     continue
                 a_pred = preds[qid]
                 exact_scores[qid] = max(compute_exact(a, a_pred) for a in gold_answers)
                 f1_scores[qid] = max(compute_f1(a, a_pred) for a in gold_answers)
+    report_missing(missing, total, "left out of the total, as evaluate-v2.0.py does")
     return exact_scores, f1_scores
 
 

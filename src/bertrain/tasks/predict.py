@@ -64,6 +64,11 @@ class Predictor:
         self.meta = meta
         self.model = (BertForQuestionAnswering if task == "qa" else BertForSequenceClassification).from_pretrained(
             self.model_dir)
+        untrained = self.model.loading_info.get("initialized") or []
+        if untrained:  # predictions from a randomly initialised head are noise: refuse rather than print them
+            raise ValueError(f"{self.model_dir} is a {cls.__name__} folder without trained weights for the "
+                             f"{', '.join(untrained)} a {task} prediction needs: give a model fine-tuned for {task} "
+                             f"(bertrain finetune {'squad' if task == 'qa' else 'glue'} writes OUTPUT/final)")
         self.device = torch.device(device)
         self.model.to(self.device).eval()
         self.tok = load_task_tokenizer(self.model_dir)
@@ -193,10 +198,14 @@ class Predictor:
 
 def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, Any]]:
     """Items from JSONL (one object per line) or TSV (QA: question<TAB>context; classification:
-    text[<TAB>text_pair]); blank lines are skipped; bad lines raise `ValueError` naming the file and line."""
+    text[<TAB>text_pair]); blank lines are skipped; bad lines raise `ValueError` naming the file and line.
+
+    An item without an "id" gets its position among the items, from 0 ("0", "1", ... in input order, as the
+    reference scripts number examples); a JSON "id" is kept (as a string)."""
     if fmt not in ("jsonl", "tsv"):
         raise ValueError(f"unknown input format {fmt!r} (jsonl or tsv)")
-    for lineno, line in enumerate(f, start=1):
+    index = 0
+    for lineno, line in _lines(f, name):
         line = line.rstrip("\n").rstrip("\r")
         if lineno == 1:
             line = line.lstrip("\ufeff")
@@ -225,8 +234,25 @@ def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, 
         if task == "classification" and not isinstance(obj.get("text", obj.get("sentence", obj.get("sentence1"))),
                                                        str):
             raise ValueError(f"{where}: a classification item needs a string 'text'")
-        obj.setdefault("id", str(lineno) if fmt == "tsv" else obj.get("id", str(lineno)))
+        obj["id"] = str(obj["id"]) if obj.get("id") is not None else str(index)
+        index += 1
         yield obj
+
+
+def _lines(f: TextIO, name: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) from 1; text that is not UTF-8 is refused naming the file and line."""
+    lineno = 0
+    it = iter(f)
+    while True:
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name}: not UTF-8 text after line {lineno} ({e.reason}, byte 0x{e.object[e.start]:02x}): "
+                             "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        lineno += 1
+        yield lineno, line
 
 
 def batched(it: Iterable[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:

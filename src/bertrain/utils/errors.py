@@ -52,16 +52,19 @@ def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_by
     path = Path(e.filename) if e.filename else None
     reason = e.strerror or str(e)
     parts = [f"{doing}: {reason}" + (f" ({path})" if path else "")]
-    if e.errno == errno.ENOSPC:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _free_space(path or Path.cwd())
         need = f", about {needed_bytes / 2**20:,.0f} MiB needed" if needed_bytes else ""
-        parts.append(f"the disk is full ({free}{need}): free space or write elsewhere")
+        what = "the disk is full" if e.errno == errno.ENOSPC else "your disk quota is used up"
+        parts.append(f"{what} ({free}{need}): free space or write elsewhere")
     elif e.errno in (errno.EACCES, errno.EPERM):
         parts.append("no permission: choose a folder you can write, or fix its permissions")
     elif e.errno == errno.EROFS:
         parts.append("the filesystem is read-only: write elsewhere")
     elif e.errno == errno.ENOENT:
         parts.append("the path does not exist")
+    elif e.errno in (errno.EMFILE, errno.ENFILE):
+        parts.append("too many open files: raise the limit (ulimit -n) or use fewer workers")
     elif e.errno in (errno.ENOTDIR, errno.EEXIST):
         parts.append("a file is in the way where a folder is needed: choose another path")
     if kept:
@@ -84,8 +87,30 @@ def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None
         raise OutputError(describe_os_error(e, doing, kept, needed_bytes)) from e
 
 
+# errno values of the OSErrors a user causes (and can fix): a full disk or quota, a permission, a read-only or
+# missing path, a name that is too long, too many open files. Any other OSError (EIO, ...) is unexpected: exit 1.
+USER_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+    errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY, errno.ENAMETOOLONG, errno.ELOOP, errno.EMFILE, errno.ENFILE,
+    errno.EXDEV, errno.EBUSY, errno.ETXTBSY,
+})
+
+
+def is_user_os_error(e: BaseException) -> bool:
+    """Whether `e` is an `OSError` the user caused and can fix (see `USER_ERRNOS`): one line, exit 2."""
+    return isinstance(e, OSError) and e.errno in USER_ERRNOS
+
+
 def current_umask() -> int:
-    """The process umask (read without changing it for longer than two system calls)."""
+    """The process umask. Read from /proc/self/status where it is there (Linux: no change at all, so no other
+    thread can create a file under a umask of 0 meanwhile), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -2,6 +2,10 @@
 
 Files are written to a temporary sibling, flushed and fsynced, then renamed over the target (rename is atomic on
 POSIX within one filesystem). Folders are built under a temporary sibling name and renamed into place at the end.
+
+`tempfile` creates private temporaries (files 0600, folders 0700); before the rename they get the permissions a
+plain `open()` / `mkdir()` would have given under the process umask (files 0666 & ~umask, folders 0777 & ~umask),
+so a teammate can read a model or checkpoint exactly when the umask says so.
 """
 from __future__ import annotations
 
@@ -11,7 +15,19 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from bertrain.utils.errors import current_umask
+
+
+def file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file under the current umask."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode `mkdir` gives a new folder under the current umask."""
+    return 0o777 & ~current_umask()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -35,6 +51,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), file_mode())  # mkstemp made it 0600
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -68,20 +85,26 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
+               move_existing: Callable[[Path], Any] | None = None) -> Iterator[Path]:
     """Build a folder under a temporary name and move it to `path` only when the block succeeds.
 
     With `overwrite=False` an existing `path` is an error; with `overwrite=True` it is replaced only after the new
-    folder is complete (the old one is moved aside first, then deleted), so a crash never leaves neither.
+    folder is complete (the old one is moved aside first, then deleted), so a crash never leaves neither. With
+    `move_existing`, an existing `path` is handed to it instead (it must move it away, e.g. `rundir.move_aside`)
+    once the new folder is complete: nothing is deleted.
     """
     path = Path(path)
-    if path.exists() and not overwrite:
+    if path.exists() and not overwrite and move_existing is None:
         raise FileExistsError(f"{path} already exists (pass overwrite to replace it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
+        os.chmod(tmp, dir_mode())  # mkdtemp made it 0700
         yield tmp
         _fsync_dir(tmp)
+        if move_existing is not None and (path.exists() or path.is_symlink()):
+            move_existing(path)
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
