@@ -51,7 +51,7 @@ from bertrain.train.optim import build_optimizer
 from bertrain.train.precision import Precision
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
-from bertrain.train.watchdog import StopSignal
+from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
 
 log = logging.getLogger(__name__)
@@ -157,13 +157,13 @@ class Trainer:
         start_step = state.step
         run = _Run(self, task, ddp_model, loader, optimizer, scheduler, precision, state, total_steps, plan)
         t0 = time.perf_counter()
-        with StopSignal() as stop, MetricsLogger(self.out, dist.is_main,
-                                                 resume_step=state.step if start else None) as ml, \
+        with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, self.out) as watchdog, \
+                MetricsLogger(self.out, dist.is_main, resume_step=state.step if start else None) as ml, \
                 _log_through_bar(_show_bar(dist)):
             if changes:
                 ml.log({"step": state.step, "event": "config_change",
                         "changes": {k: {"old": a, "new": b} for k, (a, b) in changes.items()}})
-            stopped, last = run.steps(stop, ml)
+            stopped, last = run.steps(stop, ml, watchdog)
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()
@@ -181,7 +181,8 @@ class _Run:
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.state, self.total_steps, self.plan = state, total_steps, plan
 
-    def steps(self, stop: "StopSignal", metrics_log: MetricsLogger) -> tuple[bool, dict[str, Any]]:
+    def steps(self, stop: StopSignal, metrics_log: MetricsLogger,
+              watchdog: Watchdog) -> tuple[bool, dict[str, Any]]:
         """Optimizer steps until `total_steps` or a stop signal; returns (stopped_by_signal, last logged record)."""
         cfg, dist, state, plan = self.cfg, self.dist, self.state, self.plan
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -233,6 +234,7 @@ class _Run:
                 return True, last
             if cfg.checkpoint.save_interval and state.step % cfg.checkpoint.save_interval == 0:
                 self.save()
+            watchdog.step_done(state.step)
         bar.close()
         return False, last
 
