@@ -276,6 +276,9 @@ def test_cli_convert_export_and_overwrite(tmp_path, capsys):
     assert main(["convert", str(src), str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["convert", str(src), str(out), "--overwrite"]) == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("model.replaced-")]  # the old one moved, not deleted
+    assert len(aside) == 1 and (aside[0] / "model.safetensors").is_file()
+    assert str(aside[0]) in capsys.readouterr().out
 
     # a run folder with checkpoints: export takes the latest complete one and leaves the training files behind
     run = tmp_path / "run"

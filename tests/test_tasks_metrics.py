@@ -102,6 +102,25 @@ def test_v2_gold_answers_that_normalise_to_empty_are_dropped():
     assert M.evaluate_v2(_squad(qas, "v2.0")["data"], {"q": "a cat"})["exact"] == 100.0
 
 
+def test_missing_predictions_are_one_summary_line(caplog):
+    """The official scripts print one line per unanswered question (316 for a file that lacks one article): one
+    warning counts them and names a few; the numbers stay the official ones."""
+    qas = [{"id": f"q{i:03d}", "question": "?", "answers": [{"text": "cat", "answer_start": 0}]} for i in range(320)]
+    preds = {f"q{i:03d}": "cat" for i in range(4)}
+    with caplog.at_level("WARNING", logger="bertrain.tasks.metrics"):
+        out = M.evaluate_v1(_squad(qas)["data"], preds)
+    assert out == pytest.approx({"exact_match": 100 * 4 / 320, "f1": 100 * 4 / 320})  # missing scores 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "316 of 320 questions have no prediction (score 0), e.g. q004, q005, q006, ..."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bertrain.tasks.metrics"):
+        with pytest.raises(ValueError, match="316 missing in all"):  # v2.0: a KeyError in the official script
+            M.evaluate_v2(_squad(qas, "v2.0")["data"], preds)
+    assert [r.getMessage() for r in caplog.records] == [
+        "316 of 320 questions have no prediction (left out of the total, as evaluate-v2.0.py does), "
+        "e.g. q004, q005, q006, ..."]
+
+
 def test_evaluate_squad_version_detection():
     assert M.is_squad_v2(_squad(V2_QAS, "v2.0")) and not M.is_squad_v2(_squad(V1_QAS))
     assert set(M.evaluate_squad(_squad(V1_QAS), V1_PREDS)) == {"exact_match", "f1"}

@@ -72,8 +72,9 @@ def test_quickstart_prepares_builtin_corpus() -> None:
 ])
 def test_bad_values_name_the_key(override: dict, key: str) -> None:
     base = {"train.steps": "10", "data.synthetic_samples": "64"}
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")) as e:
         load_config(PretrainConfig, None, {**base, **override})
+    assert "on the command line" in str(e.value)  # where the bad value came from, not a file
 
 
 def test_command_line_overrides_every_section() -> None:

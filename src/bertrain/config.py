@@ -368,7 +368,11 @@ class _Sources:
         if unknown:  # only the file (or base) can hold an unknown key here: the command line's were checked first
             return f"{message} (in {self.path})" if self.path is not None else message
         known = set(config_keys(cls))
-        named = list(dict.fromkeys(k for k in re.findall(r"'([A-Za-z_]\w*(?:\.\w+)*)'", message) if k in known))
+        found = re.findall(r"'([A-Za-z_]\w*(?:\.\w+)*)'", message)
+        section = re.match(r"([A-Za-z_][\w.]*): ", message)  # "sample: max_predictions_per_seq must be ..."
+        if section and section.group(1) in known:
+            found += [f"{section.group(1)}.{w}" for w in re.findall(r"\b[A-Za-z_]\w*\b", message[section.end():])]
+        named = list(dict.fromkeys(k for k in found if k in known))
         if not named:
             if self.path is None:
                 return message

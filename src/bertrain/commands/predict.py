@@ -7,6 +7,7 @@ once every input is predicted: an error or Ctrl-C leaves an existing file as it 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 
@@ -67,13 +68,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         src = args.input or "-"
         fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else "jsonl")
+        # errors="surrogateescape": a byte that is not UTF-8 reaches read_items, which names its line and column
         if src == "-":
             f = sys.stdin
+            if hasattr(sys.stdin, "buffer"):
+                f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape")
             name = "<stdin>"
         else:
             if not Path(src).is_file():
                 raise ValueError(f"input file {src} does not exist")
-            f = open(src, encoding="utf-8")
+            f = open(src, encoding="utf-8", errors="surrogateescape")
             name = src
         items_iter = read_items(f, name, fmt, p.task)
 
@@ -92,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
                     lines.append(line)
     finally:
         if f is not None and f is not sys.stdin:
-            f.close()
+            if name == "<stdin>":
+                f.detach()  # our wrapper must not close the process's stdin when it is collected
+            else:
+                f.close()
     if count == 0:
         raise UserError(f"{name} holds no items (it is empty or has only blank lines): nothing to predict"
                         + (f"; {args.output} was not written" if args.output else ""))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,8 +240,12 @@ def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, 
         yield obj
 
 
+_UNDECODABLE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, under errors="surrogateescape"
+
+
 def _lines(f: TextIO, name: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) from 1; text that is not UTF-8 is refused naming the file and line."""
+    """(line number, line) from 1; text that is not UTF-8 is refused naming the file and line (exactly when `f`
+    was opened with errors="surrogateescape", as `bertrain predict` does; else the line the decoder reached)."""
     lineno = 0
     it = iter(f)
     while True:
@@ -252,6 +257,10 @@ def _lines(f: TextIO, name: str) -> Iterator[tuple[int, str]]:
             raise ValueError(f"{name}: not UTF-8 text after line {lineno} ({e.reason}, byte 0x{e.object[e.start]:02x}): "
                              "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
         lineno += 1
+        bad = _UNDECODABLE.search(line)
+        if bad:
+            raise ValueError(f"{name}:{lineno}: not UTF-8 text (byte 0x{ord(bad.group()) - 0xdc00:02x} at column "
+                             f"{bad.start() + 1}): convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
         yield lineno, line
 
 

@@ -6,7 +6,8 @@ oversubscribes the cores and the job runs ~2x slower than with `OMP_NUM_THREADS=
 * the user's choice, when `OMP_NUM_THREADS` (or `MKL_NUM_THREADS`) is set: it is left alone;
 * otherwise the CPUs the process may use (`os.sched_getaffinity`, capped by a cgroup CPU quota where one is set),
   shared by the local ranks of a torchrun / Slurm job (`LOCAL_WORLD_SIZE`), minus the machine's current load
-  (`os.getloadavg()[0]`, rounded; scaled to our share of the machine when the affinity is a subset), at least 1.
+  (`os.getloadavg()[0]`, rounded; scaled to our share of the machine when the affinity is a subset), at most one
+  per physical core (PyTorch's own default: hyperthreads do not speed up its kernels), at least 1.
 
 `cli.main` applies it once per process for the commands that compute (pretrain, finetune, predict, evaluate) and
 prints one line saying how many threads and why. Float results depend on the thread count (reductions split
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 LOCAL_WORLD_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -25,11 +26,23 @@ LOCAL_WORLD_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
-def _affinity() -> int:
+def _affinity() -> list[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def _physical_cores(cpus: list[int]) -> int | None:
+    """Distinct physical cores among the logical CPUs `cpus` (hyperthreads share one); None when unknown."""
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            return None
+    return len(cores) or None
 
 
 def _load() -> float | None:
@@ -58,39 +71,54 @@ def _positive_int(value: str | None) -> int | None:
     return n if n >= 1 else None
 
 
-def choose_threads(environ: Mapping[str, str] | None = None, affinity: int | Sequence[int] | None = None,
-                   load: float | None = -1.0, machine_cpus: int | None = None,
-                   quota: float | None = -1.0) -> tuple[int, str]:
-    """(threads, reason). Arguments default to this process's environment, affinity, load, CPU count and cgroup
-    quota; tests pass them explicitly (`load=None` / `quota=None`: unknown / none)."""
+_UNSET: Any = object()
+
+
+def choose_threads(environ: Mapping[str, str] | None = None, affinity: Sequence[int] | int | None = None,
+                   load: float | None = _UNSET, machine_cpus: int | None = None, quota: float | None = _UNSET,
+                   physical: int | None = _UNSET) -> tuple[int, str]:
+    """(threads, reason).
+
+    Each argument defaults to this process's own: environment, affinity (the logical CPUs it may run on, or their
+    count), 1-minute load average, the machine's logical CPU count, cgroup CPU quota, and the physical cores among
+    the affinity (PyTorch's own default is one thread per physical core). `None` means unknown / none.
+    Threads = min(physical cores, usable CPUs - their share of the load), divided among the local ranks, >= 1.
+    """
     env = os.environ if environ is None else environ
     for var in USER_VARIABLES:
         if env.get(var, "").strip():
             n = _positive_int(env[var])
             if n is not None:
                 return n, f"{var}={n} is set"
-    cpus = affinity if isinstance(affinity, int) else (len(affinity) if affinity is not None else _affinity())
-    cpus = max(1, cpus)
+    if affinity is None:
+        affinity = _affinity()
+    cpu_list = list(range(affinity)) if isinstance(affinity, int) else list(affinity)
+    cpus = max(1, len(cpu_list))
     machine = max(cpus, machine_cpus if machine_cpus is not None else (os.cpu_count() or cpus))
-    if load is not None and load < 0:
+    if load is _UNSET:
         load = _load()
-    if quota is not None and quota < 0:
+    if quota is _UNSET:
         quota = _cgroup_quota()
+    if physical is _UNSET:
+        physical = _physical_cores(cpu_list) if affinity is not None and not isinstance(affinity, int) else None
     parts = [f"{cpus} CPU{'s' if cpus != 1 else ''} usable"]
+    if physical is not None and physical < cpus:
+        parts[0] += f" on {physical} core{'s' if physical != 1 else ''}"
+    usable = float(cpus)
     if quota is not None and quota < cpus:
-        cpus = max(1, math.ceil(quota))
+        usable = float(max(1, math.ceil(quota)))
         parts.append(f"a cgroup quota of {quota:g} CPUs")
-    ranks = next((n for n in (_positive_int(env.get(v)) for v in LOCAL_WORLD_VARIABLES) if n is not None), 1)
-    free = float(cpus)
     if load is not None:
         busy = load * cpus / machine  # the load is machine-wide; our CPUs carry their share of it
-        free = cpus - round(busy)
+        usable -= round(busy)
         parts.append(f"load {load:.1f}" + (f" (~{busy:.1f} on ours)" if machine > cpus else ""))
+    if physical is not None:
+        usable = min(usable, physical)
+    ranks = next((n for n in (_positive_int(env.get(v)) for v in LOCAL_WORLD_VARIABLES) if n is not None), 1)
     if ranks > 1:
-        free = free / ranks
+        usable = usable / ranks
         parts.append(f"{ranks} local ranks")
-    n = max(1, int(free))
-    return n, ", ".join(parts)
+    return max(1, int(usable)), ", ".join(parts)
 
 
 _applied: tuple[int, str] | None = None
