@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from bertrain import cli
 from bertrain.cli import build_parser, main
 from bertrain.config import iter_fields, load_config
 from bertrain.utils import threads

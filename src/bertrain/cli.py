@@ -174,15 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except ValueError as e:  # user input problems (UserError, OutputError, config errors): one clear line
         return fail(EXIT_USER_ERROR, f"error: {e}")
-    except OSError as e:
-        if is_user_os_error(e):
-            return fail(EXIT_USER_ERROR, describe_os_error(e, "error"))
-        traceback.print_exc()
-        print(f"{name}: unexpected error ({type(e).__name__}: {e}); the traceback above says where "
-              "(please report it)", file=sys.stderr)
-        return EXIT_FAILED
     except Exception as e:
-        traceback.print_exc()
+        if is_user_os_error(e):  # a full disk, a permission, a read-only or missing path: one line
+            return fail(EXIT_USER_ERROR, describe_os_error(e, "error"))
+        traceback.print_exc()  # a bug (or an OSError nobody can fix from here): where it happened matters
         print(f"{name}: unexpected error ({type(e).__name__}: {e}); the traceback above says where "
               "(please report it)", file=sys.stderr)
         return EXIT_FAILED
