@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import REPO, cli_env, free_port, rank_env, spawn
+from distributed import cli_env, free_port, rank_env, spawn
 
 from bertrain.train.config import DistributedConfig
 from bertrain.train.distributed import DistInfo
@@ -287,12 +287,6 @@ def test_a_long_barrier_outlasts_the_collective_timeout(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- real runs
 
-TRAINER = (REPO / "src" / "bertrain" / "train" / "trainer.py").read_text()
-needs_wiring = pytest.mark.skipif(
-    "Watchdog(" not in TRAINER or "step_done(" not in TRAINER,
-    reason="train/trainer.py does not run the step loop under Watchdog yet (issue 12 item 7: the engine owner wires "
-           "it)")
-
 CRASH_ON_USR1 = ("import signal, sys\n"
                  "def boom(signum, frame):\n"
                  "    raise RuntimeError('injected failure')\n"
@@ -386,7 +380,6 @@ def wait_for_checkpoint(out: Path, procs: list[Proc], timeout: float = 120) -> N
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_frozen_rank_is_named_and_sigterm_exits_naming_the_last_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out)
@@ -415,7 +408,6 @@ def test_frozen_rank_is_named_and_sigterm_exits_naming_the_last_checkpoint(tmp_p
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out, timeout_s=8)
@@ -431,7 +423,7 @@ def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) ->
         _, line = r0.wait_for(r"a collective timed out after distributed.timeout_s = 8 s", timeout=1)
         assert f"rank 1 (pid {r1.pid} on {HOST}) has not answered for" in line
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}: continue with --resume auto" in line
-        # one line, no gloo traceback: needs the CLI to print RankLost like RunStopped (see the report)
+        # one line, no gloo traceback: once the CLI prints RankLost as one line (exit_code) like RunStopped:
         # assert "Traceback" not in r0.output
     finally:
         for p in procs:
@@ -439,7 +431,6 @@ def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
     procs = launch(tmp_path, 2, run_config(out, timeout_s=8))
@@ -462,7 +453,6 @@ def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_a_crashed_rank_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
     procs = launch(tmp_path, 2, run_config(out), wrap={1: CRASH_ON_USR1})
@@ -485,7 +475,6 @@ def test_a_crashed_rank_is_named_by_the_others(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_a_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
     procs = launch(tmp_path, 2, run_config(out))
@@ -503,7 +492,6 @@ def test_a_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_a_healthy_two_rank_run_reports_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out, heartbeat_interval_s=0.2, heartbeat_timeout_s=2)
@@ -528,7 +516,6 @@ def long_step_config(out: Path, grace: float) -> dict:
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_sigterm_during_a_step_longer_than_the_grace_exits_naming_the_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (p,) = launch(tmp_path, 1, long_step_config(out, grace=0.5))
@@ -549,7 +536,6 @@ def test_sigterm_during_a_step_longer_than_the_grace_exits_naming_the_checkpoint
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_sigint_twice_exits_at_once_without_a_traceback(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (p,) = launch(tmp_path, 1, long_step_config(out, grace=60))
@@ -570,7 +556,6 @@ def test_sigint_twice_exits_at_once_without_a_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_sigterm_on_a_healthy_run_still_saves_and_exits_3(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out)
