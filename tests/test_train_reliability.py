@@ -194,3 +194,24 @@ def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["id2label"] == {"0": "entailment", "1": "not_entailment"}
     assert json.loads((out / "final" / "task.json").read_text())["kind"] == "classification"
+
+
+def test_stsb_finetune_exports_a_regression_model_that_predict_scores(tmp_path, capsys):
+    from test_tasks_finetune_engine import _tiny_model
+
+    from bertrain.tasks.predict import Predictor
+
+    model = _tiny_model(tmp_path / "model", 0.1)
+    d = tmp_path / "STS-B"
+    d.mkdir()
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
+    rows = [f"{i}\tg\tf\ty\t{i}\ts\ts\tthe cat sat on a mat {i}\ta dog sat in the house\t{i % 5}.0" for i in range(12)]
+    for name in ("train.tsv", "dev.tsv"):
+        (d / name).write_text("\n".join([header, *rows]) + "\n")
+    out = tmp_path / "ft"
+    assert main(["finetune", "glue", "--task", "stsb", "--data-dir", str(d), "--init", str(model), "--output",
+                 str(out), "--data.max_seq_length", "32", "--train.steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "final" / "task.json").read_text())["kind"] == "regression"
+    (pred,) = Predictor(out / "final").predict([{"text": "the cat sat", "text_pair": "a dog sat"}])
+    assert isinstance(pred["score"], float)

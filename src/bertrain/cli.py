@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user input problems (UserError, OutputError, config errors): one clear line
         return fail(EXIT_USER_ERROR, f"error: {e}")
     except Exception as e:
+        code = getattr(e, "exit_code", None)
+        if isinstance(code, int):  # a failure that explains itself in one line (the watchdog's RankLost)
+            return fail(code, f"error: {e}")
         if is_user_os_error(e):  # a full disk, a permission, a read-only or missing path: one line
             return fail(EXIT_USER_ERROR, describe_os_error(e, "error"))
         traceback.print_exc()  # a bug (or an OSError nobody can fix from here): where it happened matters

@@ -58,6 +58,8 @@ class Predictor:
         if task is None:
             task = meta.get("kind") or ("qa" if cls is BertForQuestionAnswering
                                         else "classification" if cls is BertForSequenceClassification else None)
+        if task == "regression":  # a one-output classification head (STS-B): predict_classification scores it
+            task = "classification"
         if task not in ("qa", "classification"):
             raise ValueError(f"{self.model_dir}: cannot tell the task from config.json ({cls.__name__}); "
                              "pass task='qa' or 'classification'")
