@@ -215,3 +215,21 @@ def test_stsb_finetune_exports_a_regression_model_that_predict_scores(tmp_path, 
     assert json.loads((out / "final" / "task.json").read_text())["kind"] == "regression"
     (pred,) = Predictor(out / "final").predict([{"text": "the cat sat", "text_pair": "a dog sat"}])
     assert isinstance(pred["score"], float)
+
+
+def test_resume_reuses_the_thread_count_of_the_run(finished, monkeypatch, capsys):
+    """The thread count is chosen from the load at start, and CPU results depend on it: a resume in another
+    process reuses the count the run's checkpoints were written with (unless OMP_NUM_THREADS says otherwise)."""
+    cfg, out = finished
+    saved = ckpt.load_train_state(out / "step-4")["threads"]
+    assert saved == torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(saved + 1)
+        monkeypatch.setattr("bertrain.utils.threads.apply_threads", lambda *a, **k: None, raising=False)
+        assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--train.log_interval", "2"]) == 0
+        assert torch.get_num_threads() == saved
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()

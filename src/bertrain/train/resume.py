@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -184,6 +185,14 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
     else:
         scheduler.load_state_dict(ts["scheduler"])
+    threads = ts.get("threads")
+    if threads and threads != torch.get_num_threads() and dist.device.type == "cpu":
+        if os.environ.get("OMP_NUM_THREADS"):
+            log.warning("the checkpoint was written with %d threads, this run uses %d (OMP_NUM_THREADS): CPU "
+                        "results may differ from a straight run in the last bits", threads, torch.get_num_threads())
+        else:  # the count chosen from the load may differ from the first run's: keep the run's numerics exact
+            log.info("using %d threads, as the run this checkpoint belongs to", threads)
+            torch.set_num_threads(threads)
     if ts["world_size"] == dist.world_size:
         ckpt.set_rng_state(ts["rng"][dist.rank])
     else:

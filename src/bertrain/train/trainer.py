@@ -267,6 +267,7 @@ class _Run:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "precision": self.precision.state_dict(), "rng": rngs, "loader": self.loader.state_dict(),
                 "world_size": self.dist.world_size, "batch": asdict(self.plan),
+                "threads": torch.get_num_threads(),  # CPU results depend on it: a resume reuses it
             }
             complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
             last = complete[-1] if complete else None
