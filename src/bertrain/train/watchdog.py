@@ -491,18 +491,19 @@ class Watchdog:
     # -- heartbeat (thread "bertrain-heartbeat")
 
     def _start_heartbeat(self) -> None:
-        try:
-            self._store = heartbeat_store(self.cfg.timeout_s)
-        except Exception as e:  # no heartbeat is better than no training
-            log.warning("no heartbeat: cannot reach the rendezvous store (%s)", e)
-            self._store = None
-        if self._store is None:
-            return
         rank, world = self.dist.rank, self.dist.world_size
+        try:
+            store = heartbeat_store(self.cfg.timeout_s)
+            if store is None:
+                return
+            store.set(HEARTBEAT_KEY.format(rank=rank), heartbeat_value(0, self.step))
+        except Exception as e:  # no heartbeat is better than no training
+            log.warning("no heartbeat: cannot use the rendezvous store (%s)", _first_line(e))
+            return
+        self._store = store
         watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
         self.monitor = HeartbeatMonitor(watched, self.cfg.heartbeat_timeout_s, self.cfg.timeout_s, time.monotonic(),
                                         store_host=0, identities=dict(enumerate(rank_identities())))
-        self._store.set(HEARTBEAT_KEY.format(rank=rank), heartbeat_value(0, self.step))
         self._last_read = time.monotonic()
         self._spawn(self._heartbeat_loop, "bertrain-heartbeat")
 
