@@ -299,7 +299,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             # rank 0 builds the cache first; the others then read it instead of all tokenizing at once
             if dist.is_main:
                 feats, _ = load_or_build_features(path, examples, tok, fcfg, is_training, d.cache_dir)
-            barrier()
+            barrier(waiting_for="rank 0 to build the features")
             if not dist.is_main:
                 feats, _ = load_or_build_features(path, examples, tok, fcfg, is_training, d.cache_dir)
             return examples, feats
@@ -348,7 +348,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             ckpt.export_final(out_dir, model, {"task.json": {
                 "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
                 "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
-        barrier()
+        barrier(waiting_for="rank 0 to write the predictions and the final model")
         return results if dist.is_main else {}
 
 
@@ -416,5 +416,5 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 ckpt.export_final(out_dir, model, {"task.json": {
                     "kind": "regression" if task.is_regression else "classification", "task": task.name,
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
-        barrier()
+        barrier(waiting_for="rank 0 to write the results and the final model")
         return results if dist.is_main else {}

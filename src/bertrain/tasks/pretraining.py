@@ -184,7 +184,7 @@ class PretrainingTask:
                     prepare_on_the_fly(self.cfg)
                 except BaseException as e:  # let the other ranks leave the barrier before re-raising
                     error = e
-            barrier()
+            barrier(waiting_for="rank 0 to prepare the data")
             if not broadcast_object(error is None):
                 if error is not None:
                     raise error
@@ -314,7 +314,7 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
             if cfg.checkpoint.export_final:
                 with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact"):
                     result.final_dir = ckpt.export_final(out, run.model)
-        barrier()
+        barrier(waiting_for="rank 0 to export the final model")
         return result
 
 
