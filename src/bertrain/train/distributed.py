@@ -260,6 +260,9 @@ def barrier(waiting_for: str | None = None, poll_s: float = 1.0) -> None:
             last_log = time.monotonic()
             log.info("rank %d: still waiting for %s (%.0f min, %d of %d ranks ready)", torch_dist.get_rank(),
                      waiting_for, (last_log - start) / 60, arrived, world)
+    # Every rank has arrived, but a rank that saw it first could go on and tear the store down (rank 0 hosts it)
+    # while another is still between two polls: one collective barrier, immediate now, closes that window.
+    torch_dist.barrier()
 
 
 def heartbeat_store(timeout_s: float) -> Any | None:
