@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bertrain.data import readers
+from bertrain.data import decoding, readers
 from bertrain.data.cleaning import clean_document, clean_documents, split_sentences
 from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents, iter_raw_documents, resolve_inputs
 from bertrain.data.wikitext import strip_wiki_markup
@@ -189,9 +189,9 @@ def test_clean_document_controls_and_nfc():
 
 def _documents_line_by_line(path, report):
     """The plain reference for `_read_text`: a document is a maximal run of lines whose strip() is not empty."""
-    with readers._CountingReader(str(path)) as reader:
+    with decoding.CountingReader(str(path)) as reader:
         buf = []
-        for line in readers._text_lines(reader, str(path), report, "utf-8"):
+        for line in decoding.text_lines(reader, str(path), report, "utf-8"):
             if line.strip():
                 buf.append(line)
             elif buf:
@@ -207,11 +207,11 @@ def test_text_documents_block_reader_equals_line_by_line(tmp_path, monkeypatch, 
     whitespace-only lines (\\r, \\x1c, U+3000, U+2028), invalid bytes, unterminated last lines, and over-long
     lines cut into pieces (MAX_LINE_CHARS shrunk to 64, or blocks to 40 bytes, so that pieces and block ends fall
     everywhere)."""
-    monkeypatch.setattr(readers, "MAX_INVALID_SHARE", 1.0)  # short files with invalid bytes: not refused here
+    monkeypatch.setattr(decoding, "MAX_INVALID_SHARE", 1.0)  # short files with invalid bytes: not refused here
     if short_lines:
-        monkeypatch.setattr(readers, "MAX_LINE_CHARS", 64)
+        monkeypatch.setattr(decoding, "MAX_LINE_CHARS", 64)
     else:  # many block ends inside the fast path
-        monkeypatch.setattr(readers, "_BLOCK_BYTES", 40)
+        monkeypatch.setattr(decoding, "_BLOCK_BYTES", 40)
     rng = random.Random(1)
     pieces = ["abc", "Hello world.", " ", "  ", "\t", "\r", "\x1c", "\u3000", "\u2028", "\x85", "é", "\n", "\n", "\n",
               "\r\n", "\n  \n"]

@@ -24,9 +24,10 @@ from distributed import cli_env, free_port, rank_env, spawn
 
 from bertrain.train.config import DistributedConfig
 from bertrain.train.distributed import DistInfo
+from bertrain.train.heartbeat import HeartbeatMonitor, heartbeat_value
 from bertrain.train.watchdog import (
-    HeartbeatMonitor, RankLost, StopSignal, Watchdog, collective_error, hang_message, heartbeat_value,
-    last_complete_checkpoint, lost_message, resume_hint,
+    RankLost, StopSignal, Watchdog, collective_error, hang_message, last_complete_checkpoint, lost_message,
+    resume_hint,
 )
 from bertrain.utils.errors import EXIT_FAILED, EXIT_STOPPED
 

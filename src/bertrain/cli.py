@@ -16,6 +16,7 @@ Ctrl-C, the watchdog), resumable. `--debug` adds the traceback to 2 and 3.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import logging
@@ -23,6 +24,8 @@ import os
 import sys
 import traceback
 
+from bertrain.config import suggest_keys, unknown_key_message
+from bertrain.utils import threads
 from bertrain.utils.errors import (EXIT_FAILED, EXIT_OK, EXIT_STOPPED, EXIT_USER_ERROR, RunStopped,
                                    describe_os_error, is_user_os_error)
 
@@ -92,10 +95,6 @@ def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> a
 
 def _unknown_arguments(leaf: argparse.ArgumentParser, extras: list[str]) -> str:
     """One line for arguments nobody declared: a config key gets "did you mean", another option a close option."""
-    import difflib
-
-    from bertrain.config import suggest_keys, unknown_key_message
-
     config_keys = [a.dest[4:] for a in leaf._actions if a.dest.startswith("cfg:")]
     options = [o for a in leaf._actions for o in a.option_strings if o.startswith("--")]
     flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command in THREADED:
-            from bertrain.utils.threads import apply_threads
-            apply_threads(log)
+            threads.apply_threads(log)
         return int(args._module.run(args) or 0)
     except RunStopped as e:
         return fail(EXIT_STOPPED, f"stopped: {_describe_stop(e)}")

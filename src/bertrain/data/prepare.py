@@ -41,9 +41,10 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 
 from bertrain.data.cleaning import clean_documents
+from bertrain.data.decoding import check_encoding
 from bertrain.data.progress import Progress
-from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, check_encoding, doc_hash,
-                                   input_fingerprint, input_size, iter_raw_documents, resolve_inputs)
+from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, doc_hash, input_fingerprint,
+                                   input_size, iter_raw_documents, resolve_inputs)
 from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity

@@ -13,10 +13,9 @@ on the fly:
 * `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
 * `jsonl` (`.jsonl`, `.json`): one JSON object per line, the text in `text_field`.
 
-Decoding is strict: text is UTF-8 unless `CorpusConfig.encoding` names another (ASCII-compatible) encoding, and a
-file that is not text — a NUL byte, or more than 1% of the bytes read so far invalid in the encoding (a binary, or
-latin-1 text read as UTF-8) — is refused with a `UserError` naming the file and the byte offset. Fewer invalid
-bytes are replaced (U+FFFD, then dropped by cleaning) and counted as `replaced_characters`.
+Decoding is strict (`bertrain.data.decoding`): text is UTF-8 unless `CorpusConfig.encoding` names another
+(ASCII-compatible) encoding, and a file that is not text is refused with a `UserError` naming the file and the byte
+offset. Fewer invalid bytes are replaced (U+FFFD, then dropped by cleaning) and counted as `replaced_characters`.
 
 Reading is streaming (memory does not grow with the corpus). Every lesser problem with the input — replaced
 characters, empty files, over-long lines, truncated compressed files, bad JSON lines — is counted per file in a
@@ -26,25 +25,21 @@ aborting a long run or passing silently. Cleaning is `bertrain.data.cleaning` (r
 """
 from __future__ import annotations
 
-import bz2
-import codecs
 import glob
-import gzip
 import hashlib
 import io
 import json
 import logging
-import lzma
 import os
 import re
-import threading
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Literal
+from typing import Iterator, Literal
 
 from bertrain.data.cleaning import clean_documents
+from bertrain.data.decoding import CountingReader, InputProgress, check_encoding, text_blocks, text_lines
 from bertrain.data.progress import Progress
 from bertrain.utils.errors import UserError
 
@@ -53,12 +48,6 @@ logger = logging.getLogger(__name__)
 BUILTIN_PYTHON_DOCS = "builtin:python-docs"
 InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl"]
 
-# Lines longer than this are cut into pieces (at whitespace where possible): a 10 MB line without a newline would
-# otherwise become one 10 MB "sentence" (and one huge string per worker task).
-MAX_LINE_CHARS = 1 << 20
-# A file with more invalid bytes than this share (of the whole file, or of what was read once that is 1 MB or more;
-# NUL bytes: any) is not text in its encoding.
-MAX_INVALID_SHARE = 0.01
 # Per-file warnings logged one by one; the rest are summed up in one line (stats.json lists every file).
 MAX_WARNINGS = 10
 
@@ -87,20 +76,6 @@ class CorpusConfig:
             raise ValueError("text_field must not be empty")
         check_encoding(self.encoding)
 
-
-def check_encoding(encoding: str) -> None:
-    """A `ValueError` unless `encoding` is a known encoding in which ASCII (newlines, NUL) is itself."""
-    try:
-        codecs.lookup(encoding)
-    except LookupError:
-        raise ValueError(f"unknown encoding {encoding!r} (e.g. utf-8, latin-1, cp1252, shift_jis)") from None
-    try:
-        ascii_compatible = "\n\0 az".encode(encoding) == b"\n\0 az"
-    except (UnicodeError, LookupError):
-        ascii_compatible = False
-    if not ascii_compatible:
-        raise ValueError(f"encoding {encoding!r} does not write ASCII as ASCII (UTF-16/32?): convert the files to "
-                         f"UTF-8 first, e.g. `iconv -f {encoding} -t UTF-8 in.txt > out.txt`")
 
 
 @dataclass
@@ -247,218 +222,6 @@ def detect_format(path: str) -> str:
     return "text"
 
 
-def _is_compressed(path: str) -> bool:
-    return path.lower().endswith((".bz2", ".gz", ".xz"))
-
-
-def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes]]:
-    """(the decompressed stream, the file on disk: its position is the progress)."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise UserError(f"cannot read input {path}: {e.strerror or e}") from e
-    name = path.lower()
-    if name.endswith(".bz2"):
-        return bz2.BZ2File(f, "rb"), f  # reads multistream files (Wikipedia's *-multistream.xml.bz2) too
-    if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=f, mode="rb"), f
-    if name.endswith(".xz"):
-        return lzma.LZMAFile(f, "rb"), f
-    return f, f
-
-
-class _CountingReader(io.RawIOBase):
-    """Opens an input file; counts bytes read (the uncompressed input size), reports the position in the file on
-    disk to `progress` (whose `base` is the size of the inputs before this one), and turns a truncated compressed
-    stream into a clean end of file, remembering that it happened."""
-
-    def __init__(self, path: str, progress: "_InputProgress | None" = None):
-        self.raw, self.file = _open_binary(path)
-        self.path = path
-        self.progress = progress
-        self.nbytes = 0
-        self.truncated: str | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        if self.truncated:
-            return 0
-        try:
-            data = self.raw.read(len(b))
-        except (EOFError, OSError, lzma.LZMAError) as e:  # bz2/gzip/lzma raise these on a cut-off file
-            if self.raw is self.file:  # a plain file: a read error, not a truncated stream
-                raise UserError(f"cannot read input {self.path}: {getattr(e, 'strerror', None) or e}") from e
-            self.truncated = f"{type(e).__name__}: {e}"
-            return 0
-        n = len(data)
-        b[:n] = data
-        self.nbytes += n
-        if self.progress is not None:
-            self.progress.at(self.file.tell())
-        return n
-
-    def close(self) -> None:
-        self.raw.close()
-        self.file.close()
-        super().close()
-
-
-class _InputProgress:
-    """The reading progress over all inputs: `Progress` in bytes on disk, one file after another."""
-
-    def __init__(self, progress: Progress):
-        self.progress = progress
-        self.base = 0
-
-    def at(self, pos: int) -> None:
-        self.progress.set(self.base + pos)
-
-    def next_file(self, size: int) -> None:
-        self.base += size
-        self.progress.set(self.base)
-
-
-# The codecs error handler "bertrain.replace": Python's "replace" (one U+FFFD per invalid sequence) that records
-# where it replaced, so `_Decoder` counts exactly what it replaced and where the first bad byte is. It is called
-# only on invalid bytes (valid text decodes in C as before); the spans are per thread.
-_decode_spans = threading.local()
-
-
-def _replace_and_record(e: UnicodeError) -> tuple[str, int]:
-    if not isinstance(e, UnicodeDecodeError):
-        raise e
-    _decode_spans.spans.append((e.start, e.end))
-    return "\ufffd", e.end
-
-
-codecs.register_error("bertrain.replace", _replace_and_record)
-
-
-class _Decoder:
-    """Decodes one input file incrementally and refuses it if it is not text in its encoding (see the module
-    docstring); counts the characters it replaced. `decode` is fed the file's bytes in order."""
-
-    def __init__(self, path: str, encoding: str, report: SkipReport):
-        self.path, self.encoding, self.report = path, encoding, report
-        self.decoder = codecs.getincrementaldecoder(encoding)("bertrain.replace")
-        self.pos = 0  # bytes decoded so far
-        self.invalid = 0  # invalid bytes so far
-        self.first_bad = ""  # where the first one is, for the message
-
-    def decode(self, data: bytes, final: bool = False) -> str:
-        nul = data.find(b"\0")
-        if nul >= 0:
-            raise UserError(f"input {self.path} is not text: a NUL byte at byte offset {self.pos + nul}"
-                            f"{self._decompressed()} ({data[max(0, nul - 16): nul + 16]!r}); give text files (for "
-                            "UTF-16/32 text: convert it to UTF-8 first; for other encodings see --encoding)")
-        spans = _decode_spans.spans = []
-        text = self.decoder.decode(data, final)
-        if spans:
-            self.report.add(self.path, "replaced_characters", len(spans))
-            self.invalid += sum(end - start for start, end in spans)
-            if not self.first_bad:  # (an offset may be a few bytes early for a character cut by a long-line piece)
-                start = min(spans[0][0], len(data))
-                self.first_bad = f"{self.pos + start} ({data[max(0, start - 16): start + 16]!r})"
-        if self.invalid > MAX_INVALID_SHARE * (self.pos + len(data)) and (final or self.pos + len(data) >= 1 << 20):
-            raise UserError(
-                f"input {self.path} is not {self.encoding} text: {self.invalid} of its {'' if final else 'first '}"
-                f"{self.pos + len(data)} bytes{self._decompressed()} are invalid (more than "
-                f"{MAX_INVALID_SHARE:.0%}), the first at byte offset {self.first_bad}; for text in a legacy "
-                "encoding pass it with --encoding (e.g. --encoding latin-1 or cp1252)")
-        self.pos += len(data)
-        return text
-
-    def _decompressed(self) -> str:
-        return " of the decompressed data" if _is_compressed(self.path) else ""
-
-
-def _text_lines(reader: _CountingReader, source: str, report: SkipReport, encoding: str) -> Iterator[str]:
-    """Decode line by line (each with its "\n"); see `_text_blocks`."""
-    for block in _text_blocks(reader, source, report, encoding):
-        lines = block.split("\n")
-        last = lines.pop()
-        for line in lines:
-            yield line + "\n"
-        if last:
-            yield last
-
-
-_BLOCK_BYTES = 1 << 20  # what `_text_blocks` reads at a time
-
-
-def _text_blocks(reader: _CountingReader, source: str, report: SkipReport, encoding: str) -> Iterator[str]:
-    """Decode (`_Decoder`: not text is refused) in blocks of whole lines ("\n"-terminated, except maybe the file's
-    last); invalid bytes become U+FFFD (counted), over-long lines are cut into pieces (counted), each piece then a
-    block of its own. (`encoding` is ASCII-compatible, see `check_encoding`, so a newline byte is a newline.)"""
-    buffered = io.BufferedReader(reader, buffer_size=1 << 20)
-    decoder = _Decoder(source, encoding, report)
-    # Fast path: whole ~1 MB blocks of complete lines, decoded and split at once (a newline byte is never part of
-    # a UTF-8 sequence, so this decodes exactly like line by line). A block with a line that readline() would cut
-    # (MAX_LINE_CHARS bytes or more) is handed, with everything after it, to the line-by-line loop below.
-    carry = b""
-    while True:
-        data = buffered.read(_BLOCK_BYTES)
-        block = carry + data if carry else data
-        if not block:
-            tail = decoder.decode(b"", final=True)  # a character cut off at the end of the file: U+FFFD, counted
-            if tail:
-                yield tail
-            return
-        if data:
-            nl = block.rfind(b"\n")
-            carry, block = block[nl + 1:], block[:nl + 1]
-        else:
-            carry = b""
-        if len(carry) >= MAX_LINE_CHARS or (block and max(map(len, block.split(b"\n"))) >= MAX_LINE_CHARS):
-            buffered = _Prepend(block + carry, buffered)
-            break
-        if not block:
-            continue
-        text = decoder.decode(block, final=not data)
-        if text:
-            yield text
-        if not data:
-            return
-    while True:
-        line = buffered.readline(MAX_LINE_CHARS)
-        if not line:
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield tail
-            break
-        if len(line) >= MAX_LINE_CHARS and not line.endswith(b"\n"):
-            report.add(source, "long_line_pieces")
-            # Cut at the last whitespace so a word is not split; the remainder starts the next piece.
-            cut = max(line.rfind(b" "), line.rfind(b"\t"))
-            if cut > MAX_LINE_CHARS // 2:
-                rest = line[cut + 1:]
-                line = line[:cut] + b"\n"
-                buffered = _Prepend(rest, buffered)
-        yield decoder.decode(line)
-
-
-class _Prepend:
-    """A tiny readline() source: `head` bytes first, then `rest` (for cutting over-long lines)."""
-
-    def __init__(self, head: bytes, rest):
-        self.head = head
-        self.rest = rest
-
-    def readline(self, limit: int) -> bytes:
-        if self.head:
-            nl = self.head.find(b"\n")
-            if 0 <= nl < limit:
-                out, self.head = self.head[: nl + 1], self.head[nl + 1:]
-                return out
-            if len(self.head) >= limit:
-                out, self.head = self.head[:limit], self.head[limit:]
-                return out
-            out, self.head = self.head, b""
-            return out + self.rest.readline(limit - len(out))
-        return self.rest.readline(limit)
-
 
 # A maximal run of non-blank lines (a blank line is empty or whitespace only, as str.strip() sees it: re's \s is
 # the same Unicode whitespace), each with its "\n", or the text's unterminated last line.
@@ -466,16 +229,16 @@ _NON_BLANK_LINES = re.compile(r"(?:[^\n]*\S[^\n]*(?:\n|\Z))+")
 
 
 def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8",
-               progress: _InputProgress | None = None) -> Iterator[RawDocument]:
+               progress: InputProgress | None = None) -> Iterator[RawDocument]:
     """Blank-line separated documents (`text`, `lines`): each document is a maximal run of non-blank lines.
 
     Found with one regex pass per decoded block rather than a Python loop over lines (that loop was the main
     process's largest cost in `prepare`, ~20 ms per MB, while the workers waited for their first chunk). A run that
     reaches a block's end may go on in the next block; block ends are line ends (or pieces of over-long lines,
     which count as lines)."""
-    with _CountingReader(path, progress) as reader:
+    with CountingReader(path, progress) as reader:
         pending: list[str] = []  # the document being read, when it may go on in the next block
-        for block in _text_blocks(reader, path, report, encoding):
+        for block in text_blocks(reader, path, report, encoding):
             matched = False
             for m in _NON_BLANK_LINES.finditer(block):
                 matched = True
@@ -494,7 +257,7 @@ def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8"
         _account_file(reader, path, report)
 
 
-def _account_file(reader: _CountingReader, path: str, report: SkipReport,
+def _account_file(reader: CountingReader, path: str, report: SkipReport,
                   kept: str = "what was read before the cut") -> None:
     """After a file is read: count its bytes, and report it if it was empty or cut short (a truncated bz2)."""
     report.input_bytes += reader.nbytes
@@ -506,9 +269,9 @@ def _account_file(reader: _CountingReader, path: str, report: SkipReport,
 
 
 def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = "utf-8",
-                progress: _InputProgress | None = None) -> Iterator[RawDocument]:
-    with _CountingReader(path, progress) as reader:
-        for lineno, line in enumerate(_text_lines(reader, path, report, encoding), 1):
+                progress: InputProgress | None = None) -> Iterator[RawDocument]:
+    with CountingReader(path, progress) as reader:
+        for lineno, line in enumerate(text_lines(reader, path, report, encoding), 1):
             if not line.strip():
                 continue
             try:
@@ -531,9 +294,9 @@ _DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set inde
 
 
 def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport,
-               progress: _InputProgress | None = None) -> Iterator[RawDocument]:
+               progress: InputProgress | None = None) -> Iterator[RawDocument]:
     """Stream pages out of a MediaWiki XML dump (expat via iterparse; elements are freed as we go)."""
-    reader = _CountingReader(path, progress)
+    reader = CountingReader(path, progress)
     try:
         context = ET.iterparse(io.BufferedReader(reader, buffer_size=1 << 20), events=("start", "end"))
         root = None
@@ -584,7 +347,7 @@ def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport,
 _BUILTIN_BYTES = 470_000  # about the size of builtin:python-docs, for the progress total only
 
 
-def _read_builtin_python_docs(report: SkipReport, progress: _InputProgress | None = None) -> Iterator[RawDocument]:
+def _read_builtin_python_docs(report: SkipReport, progress: InputProgress | None = None) -> Iterator[RawDocument]:
     # Imported only when asked for: ~465 KB of English reference text shipped with CPython.
     from pydoc_data.topics import topics
 
@@ -604,7 +367,7 @@ def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport
     """Every raw document of every input, in a deterministic order (inputs as given, folders sorted).
     `progress` (bytes; its total is `input_size` of the resolved inputs) follows the position in the inputs."""
     files = resolve_inputs(inputs)
-    where = _InputProgress(progress) if progress is not None else None
+    where = InputProgress(progress) if progress is not None else None
     if progress is not None and progress.total is None:
         progress.total = input_size(files)
     for path in files:

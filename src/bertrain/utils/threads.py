@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -132,7 +133,6 @@ def apply_threads(log=None) -> tuple[int, str]:
     global _applied
     if _applied is not None:
         return _applied
-    import sys
 
     n, reason = choose_threads()
     if "torch" in sys.modules:
