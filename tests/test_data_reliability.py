@@ -203,17 +203,17 @@ def test_latin1_refused_then_read_exactly_with_encoding(tmp_path, capsys):
     assert code == 2 and "fr.txt is not utf-8 text" in line and "byte offset 6 (b'Le caf\\xe9" in line
     assert "--encoding latin-1" in line
     for enc in ("latin-1", "cp1252"):
-        a = prepare(cfg(tmp_path / f"lat-{enc}", inputs=[str(tmp_path / "lat")], encoding=enc, masking="none"))
+        a = prepare(cfg(tmp_path / f"lat-{enc}", inputs=[str(tmp_path / "lat")], corpus=CorpusConfig(encoding=enc), masking="none"))
         assert a["encoding"] == enc and a["replaced_characters"] == 0
         prepare(cfg(tmp_path / f"utf-{enc}", inputs=[str(tmp_path / "utf")], masking="none"))
         assert [v for k, v in digest(tmp_path / f"lat-{enc}").items() if "shards" in k] == \
                [v for k, v in digest(tmp_path / f"utf-{enc}").items() if "shards" in k]
     a = train_vocab([str(tmp_path / "lat")], tmp_path / "vl", vocab_size=200, lowercase=False,
-                    corpus_options={"encoding": "latin-1"})
+                    corpus=CorpusConfig(encoding="latin-1"))
     b = train_vocab([str(tmp_path / "utf")], tmp_path / "vu", vocab_size=200, lowercase=False)
     assert a.read_bytes() == b.read_bytes() and "é" in a.read_text()
     with pytest.raises(ValueError, match="convert the files to UTF-8"):
-        PrepareConfig(inputs=["x"], output="o", vocab_file=VOCAB, encoding="utf-16")
+        PrepareConfig(inputs=["x"], output="o", vocab_file=VOCAB, corpus=CorpusConfig(encoding="utf-16"))
     with pytest.raises(ValueError, match="unknown encoding"):
         CorpusConfig(encoding="no-such-codec")
 

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.readers import CorpusConfig
 from bertrain.data.samples import SampleConfig
 
 HELP = "tokenize corpora into a sharded token store and (--masking static) pretraining instances"
@@ -50,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = PrepareConfig(
         inputs=args.input, output=args.output, vocab_file=args.vocab_file, sample=sample,
         dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=args.do_lower_case, seed=args.seed,
-        workers=args.workers, overwrite=args.overwrite, input_format=args.input_format, text_field=args.text_field,
-        min_document_chars=args.min_document_chars, dedupe=args.dedupe, skip_disambiguation=args.skip_disambiguation,
-        encoding=args.encoding, shard_tokens=args.shard_tokens)
+        workers=args.workers, overwrite=args.overwrite, shard_tokens=args.shard_tokens,
+        corpus=CorpusConfig(input_format=args.input_format, text_field=args.text_field,
+                            min_document_chars=args.min_document_chars, dedupe=args.dedupe,
+                            skip_disambiguation=args.skip_disambiguation, encoding=args.encoding))
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from bertrain.data.readers import CorpusConfig
 from bertrain.data.tokenizer import VOCAB_STATS, tokenizer_identity, train_vocab
 
 HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
@@ -30,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = train_vocab(args.input, args.output, vocab_size=args.vocab_size, lowercase=not args.cased,
                        min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet, overwrite=args.overwrite,
-                       corpus_options={"input_format": args.input_format, "text_field": args.text_field,
-                                       "encoding": args.encoding})
+                       corpus=CorpusConfig(input_format=args.input_format, text_field=args.text_field,
+                                           encoding=args.encoding))
     stats = json.loads((path.parent / VOCAB_STATS).read_text(encoding="utf-8"))
     print(f"{path}\t{tokenizer_identity(path, not args.cased)}")
     print(f"{stats['num_tokens']} tokens from {stats['read']['documents']} documents "

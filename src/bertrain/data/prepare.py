@@ -41,9 +41,8 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 
 from bertrain.data.cleaning import clean_documents
-from bertrain.data.decoding import check_encoding
 from bertrain.data.progress import Progress
-from bertrain.data.readers import (CorpusConfig, InputFormat, RawDocument, SkipReport, doc_hash, input_fingerprint,
+from bertrain.data.readers import (CorpusConfig, RawDocument, SkipReport, doc_hash, input_fingerprint,
                                    input_size, iter_raw_documents, resolve_inputs)
 from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
 from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
@@ -80,18 +79,8 @@ class PrepareConfig:
     """Worker processes (0 = every core)."""
     overwrite: bool = False
     """Replace an existing output folder (moved aside to OUTPUT.replaced-<time> once the new one is complete)."""
-    input_format: InputFormat = "auto"
-    """Format of every input: auto (by suffix), wiki, text, lines, jsonl."""
-    text_field: str = "text"
-    """JSONL: key of the text."""
-    min_document_chars: int = 20
-    """Skip documents shorter than this after cleaning."""
-    dedupe: bool = False
-    """Skip exact duplicate documents."""
-    skip_disambiguation: bool = True
-    """Wikipedia: skip disambiguation pages."""
-    encoding: str = "utf-8"
-    """Encoding of text, lines and JSONL inputs (latin-1, cp1252, ...); XML dumps declare their own."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    """How inputs are read and cleaned (format, JSONL field, encoding, minimum length, dedupe)."""
     shard_tokens: int = 1 << 25
     """Tokens per shard (32M tokens = 64 MB with a < 65536 vocab)."""
     chunk_bytes: int = 1 << 18
@@ -112,16 +101,8 @@ class PrepareConfig:
             errors.append(f"workers must be >= 0, got {self.workers}")
         if self.shard_tokens < 1 or self.chunk_bytes < 1:
             errors.append("shard_tokens and chunk_bytes must be positive")
-        try:
-            check_encoding(self.encoding)
-        except ValueError as e:
-            errors.append(str(e))
         if errors:
             raise ValueError("; ".join(errors))
-
-    def corpus_options(self) -> CorpusConfig:
-        return CorpusConfig(self.input_format, self.text_field, self.min_document_chars, self.dedupe,
-                             self.skip_disambiguation, self.encoding)
 
 
 # ----------------------------------------------------------------------------------------------- workers
@@ -251,9 +232,10 @@ def _chunks(docs: Iterator[RawDocument], chunk_bytes: int, dedupe: bool,
 
 def _fingerprint(cfg: PrepareConfig, identity: str) -> dict[str, Any]:
     files = input_fingerprint(cfg.inputs)
-    keys = ("input_format", "text_field", "min_document_chars", "dedupe", "skip_disambiguation", "shard_tokens",
-            "chunk_bytes", "do_lower_case", "encoding")
-    return {"inputs": files, "tokenizer": identity, **{k: getattr(cfg, k) for k in keys}}
+    corpus = ("input_format", "text_field", "min_document_chars", "dedupe", "skip_disambiguation")
+    keys = ("shard_tokens", "chunk_bytes", "do_lower_case")
+    return {"inputs": files, "tokenizer": identity, **{k: getattr(cfg.corpus, k) for k in corpus},
+            **{k: getattr(cfg, k) for k in keys}, "encoding": cfg.corpus.encoding}
 
 
 def _end_pool(pool) -> None:
@@ -306,13 +288,13 @@ def _tokenize_stage(cfg: PrepareConfig, work: Path, identity: str, pool, status:
             f.unlink()
 
     report = SkipReport()
-    opts = cfg.corpus_options()
+    opts = cfg.corpus
     # The reader runs ahead of the workers (in the pool's task thread): each chunk carries the input position at
     # its end, and the progress shown is that of the last chunk tokenized.
     reading = Progress("", bar=False, interval=math.inf)
     shown = Progress("prepare: tokenizing", total=input_size(resolve_inputs(cfg.inputs)), log=logger)
     positions: deque[float] = deque()
-    chunks = _chunks(iter_raw_documents(cfg.inputs, opts, report, reading), cfg.chunk_bytes, cfg.dedupe, report)
+    chunks = _chunks(iter_raw_documents(cfg.inputs, opts, report, reading), cfg.chunk_bytes, opts.dedupe, report)
     skips: dict[str, Counter] = defaultdict(Counter, {k: Counter(v) for k, v in progress["worker_skips"].items()})
     text_bytes = progress["text_bytes"]
     done = progress["chunks_done"]
@@ -509,7 +491,7 @@ def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: f
 
     # One pool for both stages (the tokenize workers' state is built before forking; the static one in each
     # worker on its first static task).
-    pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.min_document_chars,
+    pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.corpus.min_document_chars,
                                                   token_dtype(len(read_vocab(cfg.vocab_file))).name))
     try:
         stage = _tokenize_stage(cfg, work, identity, pool, status)
@@ -528,7 +510,7 @@ def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: f
         "num_documents": meta["num_documents"], "num_sentences": meta["num_sentences"],
         "num_tokens": meta["num_tokens"], "num_instances": num_instances, "num_shards": len(meta["shards"]),
         "input_bytes": report.input_bytes, "text_bytes": stage["text_bytes"],
-        "replaced_characters": report.totals().get("replaced_characters", 0), "encoding": cfg.encoding,
+        "replaced_characters": report.totals().get("replaced_characters", 0), "encoding": cfg.corpus.encoding,
         "seconds": round(seconds, 3), "seconds_tokenize": round(t_tok, 3), "workers": workers,
         "text_mb_per_s": round(stage["text_bytes"] / 1e6 / seconds, 3),
         "input_mb_per_s": round(report.input_bytes / 1e6 / seconds, 3),

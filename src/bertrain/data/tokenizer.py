@@ -362,7 +362,7 @@ def wordpiece_from_counts(words: Counter, vocab_size: int, min_frequency: int = 
 
 def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.PathLike, vocab_size: int = 30522,
                 lowercase: bool = True, min_frequency: int = 2, limit_alphabet: int = 1000,
-                special_tokens: Sequence[str] = SPECIAL_TOKENS, corpus_options: dict | None = None,
+                special_tokens: Sequence[str] = SPECIAL_TOKENS, corpus: CorpusConfig | None = None,
                 overwrite: bool = False) -> Path:
     """Train a WordPiece vocabulary on `inputs` (any input `bertrain prepare` reads) and write `output_dir/vocab.txt`
     (and `vocab-stats.json`: inputs, settings, what was read). The same inputs and settings give the same bytes.
@@ -376,7 +376,7 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
     inputs = [str(p) for p in inputs]
     if vocab_size < len(special_tokens) + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: it must exceed the {len(special_tokens)} special tokens")
-    opts = CorpusConfig(**(corpus_options or {}))
+    opts = corpus or CorpusConfig()
     out_dir = Path(output_dir)
     out = out_dir / "vocab.txt"
     settings = {"vocab_size": vocab_size, "lowercase": lowercase, "min_frequency": min_frequency,

@@ -22,6 +22,7 @@ from torch import nn
 
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
+from bertrain.data.readers import CorpusConfig
 from bertrain.data.samples import SampleConfig
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab, train_vocab
@@ -226,13 +227,13 @@ def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
             raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist")
         log.info("training a %d-token WordPiece vocabulary on %s", d.vocab_size, ", ".join(d.input))
         train_vocab(list(d.input), vocab_file.parent, vocab_size=d.vocab_size, lowercase=d.do_lower_case,
-                    corpus_options={"encoding": d.encoding})
+                    corpus=CorpusConfig(encoding=d.encoding))
     data_dir = out / "data"
     if not (data_dir / "stats.json").exists():
         log.info("preparing %s into %s", ", ".join(d.input), data_dir)
         prepare(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
                               masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
-                              do_lower_case=d.do_lower_case, seed=cfg.seed, encoding=d.encoding,
+                              do_lower_case=d.do_lower_case, seed=cfg.seed, corpus=CorpusConfig(encoding=d.encoding),
                               overwrite=data_dir.exists()))
     return data_dir, vocab_file
 
