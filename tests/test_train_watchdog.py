@@ -6,6 +6,7 @@ Unit tests of the pure parts (staleness, messages, classification, the signal th
 `bertrain pretrain` processes on gloo, frozen with SIGSTOP, crashed or signalled."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -360,16 +362,22 @@ class Proc:
         self._reader.join(timeout=10)
 
 
-def launch(tmp_path: Path, world: int, cfg: dict, wrap: dict[int, str] | None = None) -> list[Proc]:
+@contextlib.contextmanager
+def launch(tmp_path: Path, world: int, cfg: dict, wrap: dict[int, str] | None = None) -> Iterator[list[Proc]]:
+    """`world` ranks of `bertrain pretrain` on `cfg`; every one is continued (if stopped) and killed at the end."""
     config = tmp_path / "run.json"
     config.write_text(json.dumps(cfg))
     port = free_port()
     procs = []
-    for r in range(world):
-        head = ["-c", wrap[r]] if wrap and r in wrap else ["-m", "bertrain"]
-        env = cli_env(rank_env(r, world, port) if world > 1 else None)
-        procs.append(Proc([sys.executable, *head, "pretrain", "--config", str(config)], env))
-    return procs
+    try:
+        for r in range(world):
+            head = ["-c", wrap[r]] if wrap and r in wrap else ["-m", "bertrain"]
+            env = cli_env(rank_env(r, world, port) if world > 1 else None)
+            procs.append(Proc([sys.executable, *head, "pretrain", "--config", str(config)], env))
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def wait_for_checkpoint(out: Path, procs: list[Proc], timeout: float = 120) -> None:
@@ -384,9 +392,8 @@ def wait_for_checkpoint(out: Path, procs: list[Proc], timeout: float = 120) -> N
 def test_frozen_rank_is_named_and_sigterm_exits_naming_the_last_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out)
-    procs = launch(tmp_path, 2, cfg)
-    r0, r1 = procs
-    try:
+    with launch(tmp_path, 2, cfg) as procs:
+        r0, r1 = procs
         wait_for_checkpoint(out, procs)
         os.kill(r1.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -403,18 +410,14 @@ def test_frozen_rank_is_named_and_sigterm_exits_naming_the_last_checkpoint(tmp_p
         assert f"rank 1 (pid {r1.pid} on {HOST}) has not answered for" in line
         assert f"the last complete checkpoint is {last}: continue with --resume auto" in line
         assert "Traceback" not in r0.output
-    finally:
-        for p in procs:
-            p.kill()
 
 
 @pytest.mark.slow
 def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out, timeout_s=8)
-    procs = launch(tmp_path, 2, cfg)
-    r0, r1 = procs
-    try:
+    with launch(tmp_path, 2, cfg) as procs:
+        r0, r1 = procs
         wait_for_checkpoint(out, procs)
         os.kill(r1.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -425,17 +428,13 @@ def test_collective_timeout_names_the_frozen_rank_in_one_line(tmp_path: Path) ->
         assert f"rank 1 (pid {r1.pid} on {HOST}) has not answered for" in line
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}: continue with --resume auto" in line
         assert "Traceback" not in r0.output  # one line, not gloo's traceback
-    finally:
-        for p in procs:
-            p.kill()
 
 
 @pytest.mark.slow
 def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    procs = launch(tmp_path, 2, run_config(out, timeout_s=8))
-    r0, r1 = procs
-    try:
+    with launch(tmp_path, 2, run_config(out, timeout_s=8)) as procs:
+        r0, r1 = procs
         wait_for_checkpoint(out, procs)
         os.kill(r0.pid, signal.SIGSTOP)  # the rendezvous store runs in rank 0's process: it stops too
         t_stop = time.monotonic()
@@ -447,17 +446,13 @@ def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path
         _, line = r1.wait_for(r"a collective timed out after distributed.timeout_s = 8 s", timeout=1)
         assert f"rank 0 (pid {r0.pid} on {HOST}) has not answered for" in line
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}" in line
-    finally:
-        for p in procs:
-            p.kill()
 
 
 @pytest.mark.slow
 def test_a_crashed_rank_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    procs = launch(tmp_path, 2, run_config(out), wrap={1: CRASH_ON_USR1})
-    r0, r1 = procs
-    try:
+    with launch(tmp_path, 2, run_config(out), wrap={1: CRASH_ON_USR1}) as procs:
+        r0, r1 = procs
         wait_for_checkpoint(out, procs)
         os.kill(r1.pid, signal.SIGUSR1)  # rank 1 raises RuntimeError('injected failure') in its step
         t_crash = time.monotonic()
@@ -469,26 +464,19 @@ def test_a_crashed_rank_is_named_by_the_others(tmp_path: Path) -> None:
         _, line = r0.wait_for(r"a collective failed \(a peer closed its connection\)", timeout=1)
         assert f"rank 1 (pid {r1.pid} on {HOST}) failed: RuntimeError: injected failure" in line
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}" in line
-    finally:
-        for p in procs:
-            p.kill()
 
 
 @pytest.mark.slow
 def test_a_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    procs = launch(tmp_path, 2, run_config(out))
-    r0, r1 = procs
-    try:
+    with launch(tmp_path, 2, run_config(out)) as procs:
+        r0, r1 = procs
         wait_for_checkpoint(out, procs)
         os.kill(r1.pid, signal.SIGKILL)  # no exception, no last word: only its silence names it
         rc, _ = r0.wait(timeout=60)
         assert rc == EXIT_FAILED, r0.output[-3000:]
         _, line = r0.wait_for(r"a collective failed", timeout=1)
         assert f"rank 1 (pid {r1.pid} on {HOST}) stopped answering (its heartbeat stopped" in line
-    finally:
-        for p in procs:
-            p.kill()
 
 
 @pytest.mark.slow
@@ -496,15 +484,11 @@ def test_a_healthy_two_rank_run_reports_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = run_config(out, heartbeat_interval_s=0.2, heartbeat_timeout_s=2)
     cfg["train"]["steps"] = 40
-    procs = launch(tmp_path, 2, cfg)
-    try:
+    with launch(tmp_path, 2, cfg) as procs:
         for p in procs:
             rc, _ = p.wait(timeout=300)
             assert rc == 0, p.output[-3000:]
             assert "has not answered" not in p.output and "watchdog" not in p.output
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def long_step_config(out: Path, grace: float) -> dict:
@@ -518,8 +502,7 @@ def long_step_config(out: Path, grace: float) -> dict:
 @pytest.mark.slow
 def test_sigterm_during_a_step_longer_than_the_grace_exits_naming_the_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    (p,) = launch(tmp_path, 1, long_step_config(out, grace=0.5))
-    try:
+    with launch(tmp_path, 1, long_step_config(out, grace=0.5)) as (p,):
         p.wait_for(r"saved checkpoint .*step-1$", timeout=120)  # step 2 (seconds long) has just begun
         os.kill(p.pid, signal.SIGTERM)
         t_term = time.monotonic()
@@ -531,15 +514,12 @@ def test_sigterm_during_a_step_longer_than_the_grace_exits_naming_the_checkpoint
         assert line.endswith("the step is slower than the grace: raise distributed.stop_grace_s to let it finish and "
                              f"save. Exiting without saving it (exit code 3); the last complete checkpoint is "
                              f"{out / 'step-1'}: continue with --resume auto")
-    finally:
-        p.kill()
 
 
 @pytest.mark.slow
 def test_sigint_twice_exits_at_once_without_a_traceback(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    (p,) = launch(tmp_path, 1, long_step_config(out, grace=60))
-    try:
+    with launch(tmp_path, 1, long_step_config(out, grace=60)) as (p,):
         p.wait_for(r"saved checkpoint .*step-1$", timeout=120)
         os.kill(p.pid, signal.SIGINT)
         time.sleep(0.3)
@@ -551,8 +531,6 @@ def test_sigint_twice_exits_at_once_without_a_traceback(tmp_path: Path) -> None:
         assert (f"second SIGINT: exiting now without saving step 2 (exit code 3); the last complete checkpoint is "
                 f"{out / 'step-1'}: continue with --resume auto") in p.output
         assert "Traceback" not in p.output and "KeyboardInterrupt" not in p.output
-    finally:
-        p.kill()
 
 
 @pytest.mark.slow
@@ -560,8 +538,7 @@ def test_sigterm_on_a_healthy_run_still_saves_and_exits_3(tmp_path: Path) -> Non
     out = tmp_path / "out"
     cfg = run_config(out)
     cfg["train"]["log_interval"] = 1
-    (p,) = launch(tmp_path, 1, cfg)
-    try:
+    with launch(tmp_path, 1, cfg) as (p,):
         p.wait_for(r"step 3/", timeout=120)
         os.kill(p.pid, signal.SIGTERM)
         rc, _ = p.wait(timeout=60)
@@ -570,5 +547,3 @@ def test_sigterm_on_a_healthy_run_still_saves_and_exits_3(tmp_path: Path) -> Non
         assert last_complete_checkpoint(out) == out / f"step-{step}"
         assert "has not finished" not in p.output and "Traceback" not in p.output
         assert rc == EXIT_STOPPED, p.output[-3000:]  # the CLI's RunStopped -> 3 (issue 12 item 9)
-    finally:
-        p.kill()
