@@ -141,15 +141,27 @@ def test_finetune_one_process_accumulation_equals_data_parallel(tmp_path: Path, 
         torch.testing.assert_close([la[s] for s in sorted(la)], [lw[s] for s in sorted(lw)], rtol=1e-5, atol=1e-6)
 
 
-def test_finetune_gradient_checkpointing_changes_nothing(tmp_path: Path, models: dict[str, Path], capsys) -> None:
+def test_finetune_gradient_checkpointing_changes_nothing(tmp_path: Path, models: dict[str, Path], capsys,
+                                                         monkeypatch) -> None:
     """Recomputing activations (dropout on: the RNG is replayed) gives the same weights and predictions."""
+    recomputed = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def counting(*args, **kwargs):  # proves the option reaches the fine-tuned model (else equality is trivial)
+        recomputed.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
     data = _data("glue", tmp_path / "data")
-    outs = {}
+    outs, calls = {}, {}
     for flag in ("false", "true"):
         outs[flag] = tmp_path / f"ckpt-{flag}"
+        recomputed.clear()
         assert main(_argv("glue", data, models["dropout"], outs[flag], 6,
                           "--model_options.gradient_checkpointing", flag)) == 0
+        calls[flag] = len(recomputed)
     capsys.readouterr()
+    assert calls["false"] == 0 and calls["true"] >= 6 * 2  # every layer of every training forward
     a, b = _weights(outs["false"]), _weights(outs["true"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (outs["false"] / "RTE.tsv").read_bytes() == (outs["true"] / "RTE.tsv").read_bytes()

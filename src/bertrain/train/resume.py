@@ -59,27 +59,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None,
                overwrite: bool) -> Iterator[None]:
     """Hold the output folder for this run (see the module docstring)."""
-    lock = OutputLock(output_dir, command)
-    error: BaseException | None = None
-    held = False
-    if dist.is_main:
-        try:
-            lock.__enter__()
-            held = True
-            claim_run_folder(output_dir, command, resume, overwrite)
-        except BaseException as e:  # the other ranks must hear about it before anyone raises
-            error = e
-    if not broadcast_object(error is None):
-        if held:
-            lock.__exit__(None, None, None)
-        if error is not None:
-            raise error
-        raise UserError(f"rank 0 could not use the output folder {output_dir} (see its message)")
-    try:
+    with contextlib.ExitStack() as held:  # releases the lock on every way out
+        error: BaseException | None = None
+        if dist.is_main:
+            try:
+                held.enter_context(OutputLock(output_dir, command))
+                claim_run_folder(output_dir, command, resume, overwrite)
+            except BaseException as e:  # the other ranks must hear about it before anyone raises
+                error = e
+        if not broadcast_object(error is None):
+            raise error or UserError(f"rank 0 could not use the output folder {output_dir} (see its message)")
         yield
-    finally:
-        if held:
-            lock.__exit__(None, None, None)
 
 
 def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo) -> Path | None:
