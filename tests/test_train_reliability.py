@@ -152,10 +152,8 @@ def test_resume_auto_with_only_broken_checkpoints_refuses(finished, capsys):
 
 def test_sample_length_beyond_the_models_positions_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "run"
-    t0 = time.time()
     assert main(["pretrain", "--model.preset", "tiny", "--data.input", "builtin:python-docs", "--train.steps", "2",
                  "--sample.max_seq_length", "4096", "--output_dir", str(out)]) == 2
-    assert time.time() - t0 < 20
     assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
     assert not (out / "vocab").exists() and not (out / "data").exists()
 

@@ -367,8 +367,7 @@ class Meter:
     def reset(self) -> None:
         groups = len(self.task.loss_groups)
         self.losses = torch.zeros(groups, dtype=torch.float64, device=self.device)
-        self.sums = None if self.keys is None else torch.zeros(len(self.keys) + 2, dtype=torch.float64,
-                                                                 device=self.device)
+        self.sums: torch.Tensor | None = None  # allocated at the first micro-batch, once the task's keys are known
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.steps = 0
         self.stepped = 0
