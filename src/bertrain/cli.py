@@ -35,6 +35,7 @@ log = logging.getLogger("bertrain")
 # The help lines live here (not only in the modules) so that `bertrain --help` and `bertrain info` import nothing
 # heavy: only the chosen command's module is imported (torch costs ~2 s and ~150 MB to import).
 COMMANDS = {
+    "run": "run a recipe end to end: vocab, prepare, pretrain phase 1/2, fine-tune, evaluate, report (resumable)",
     "info": "show a model config (preset, HF folder or checkpoint): sizes, parameter counts",
     "convert": "import an HF/Google BERT folder into a clean bertrain model folder",
     "export": "export a bertrain checkpoint or model folder in HF format",
@@ -45,12 +46,13 @@ COMMANDS = {
     "finetune": "fine-tune on SQuAD v1.1/v2.0 or a GLUE task",
     "evaluate": "score SQuAD predictions with the official v1.1/v2.0 metrics (GLUE: finetune glue scores it)",
     "predict": "answer questions or classify sentences with a fine-tuned model",
+    "serve": "serve a fine-tuned QA or classification model over HTTP (micro-batched; torch or onnxruntime)",
     "bench": "measure training and inference speed (optionally against HF transformers)",
 }
 
 # Commands whose PyTorch work runs on CPU threads chosen from the usable CPUs and the load (bertrain.utils.threads).
 # `bench` keeps its own --threads; the others compute nothing worth threading.
-THREADED = ("pretrain", "finetune", "predict", "evaluate")
+THREADED = ("run", "pretrain", "finetune", "predict", "evaluate")
 
 
 def _available() -> list[str]:

@@ -1,0 +1,91 @@
+"""The evaluate stage of `bertrain run`: every fine-tuning run's dev-set scores, per task and initialisation, with
+their mean and spread over seeds, the majority-class baseline and — where one exists — the BERT paper's figure.
+
+The scores themselves come from the fine-tuning stages (`run_glue` / `run_squad` score the dev set with the
+official metrics and write eval_results.json); this stage only collects them, so its results.json is the same
+bytes whenever the runs are (no timings in it).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bertrain.pipeline.recipe import Recipe
+
+# The figures of Devlin et al. 2019 (BERT), in the units our metrics use (GLUE: fractions; SQuAD: percent).
+# GLUE: Table 1, the GLUE server's TEST sets (we score dev: a dev score is usually a point or two higher).
+# SQuAD v1.1: Table 2, dev, single model; SQuAD v2.0: Table 3, dev, single model (BERT-large only).
+PAPER_SOURCE = {"glue": "BERT paper, Table 1 (GLUE test server)", "squad": "BERT paper, Tables 2-3 (dev)"}
+BERT_PAPER: dict[tuple[str, str, str], float] = {
+    ("base", "mnli-m", "accuracy"): 0.846, ("base", "mnli-mm", "accuracy"): 0.834, ("base", "qqp", "f1"): 0.712,
+    ("base", "qnli", "accuracy"): 0.905, ("base", "sst2", "accuracy"): 0.935, ("base", "cola", "mcc"): 0.521,
+    ("base", "stsb", "spearmanr"): 0.858, ("base", "mrpc", "f1"): 0.889, ("base", "rte", "accuracy"): 0.664,
+    ("large", "mnli-m", "accuracy"): 0.867, ("large", "mnli-mm", "accuracy"): 0.859, ("large", "qqp", "f1"): 0.721,
+    ("large", "qnli", "accuracy"): 0.927, ("large", "sst2", "accuracy"): 0.949, ("large", "cola", "mcc"): 0.605,
+    ("large", "stsb", "spearmanr"): 0.865, ("large", "mrpc", "f1"): 0.893, ("large", "rte", "accuracy"): 0.701,
+    ("base", "squad1.1", "exact_match"): 80.8, ("base", "squad1.1", "f1"): 88.5,
+    ("large", "squad1.1", "exact_match"): 84.1, ("large", "squad1.1", "f1"): 90.9,
+    ("large", "squad2.0", "exact"): 78.7, ("large", "squad2.0", "f1"): 81.9,
+}
+
+# The metrics shown per GLUE task (the first is the task's headline metric).
+GLUE_METRICS = {"cola": ("mcc",), "mrpc": ("f1", "accuracy"), "qqp": ("f1", "accuracy"),
+                "stsb": ("pearson", "spearmanr")}
+
+
+def _spread(values: dict[str, float]) -> dict[str, Any]:
+    v = list(values.values())
+    return {"seeds": values, "mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+            "min": min(v), "max": max(v)}
+
+
+def _scores(kind: str, results: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """(split, metric) -> value of one eval_results.json."""
+    if kind == "squad":
+        split = f"squad{results.get('version', '1.1')}"
+        keys = ("exact", "f1") if results.get("version") == "2.0" else ("exact_match", "f1")
+        return {(split, k): float(results[k]) for k in keys if k in results}
+    out = {}
+    for split, m in results.items():
+        if isinstance(m, dict) and "examples" in m:
+            name = results["task"] if split == "dev" else split
+            for metric in GLUE_METRICS.get(results["task"], ("accuracy",)):
+                if metric in m:
+                    out[(name, metric)] = float(m[metric])
+    return out
+
+
+def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    """results.json of the evaluate stage (see the module docstring)."""
+    tasks = []
+    for task in recipe.finetune:
+        per: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+        baselines: dict[str, float] = {}
+        examples: dict[str, int] = {}
+        inits = ("pretrained", "random") if task.random_init else ("pretrained",)
+        for init in inits:
+            for seed in task.seeds:
+                path = run_dir / f"finetune-{task.name}-{init}-s{seed}" / "out" / "eval_results.json"
+                results = json.loads(path.read_text(encoding="utf-8"))
+                for key, value in _scores(task.kind, results).items():
+                    per.setdefault(key, {}).setdefault(init, {})[str(seed)] = value
+                for split, m in results.items():
+                    if isinstance(m, dict) and "majority_baseline_accuracy" in m:
+                        name = results["task"] if split == "dev" else split
+                        baselines[name] = m["majority_baseline_accuracy"]
+                        examples[name] = m.get("examples")
+                if task.kind == "squad":
+                    examples[f"squad{results.get('version', '1.1')}"] = results.get("eval_examples")
+        metrics = []
+        for (split, metric), by_init in per.items():
+            paper = BERT_PAPER.get((recipe.report.paper_model or "", split, metric))
+            metrics.append({"split": split, "metric": metric, "examples": examples.get(split),
+                            "by_init": {init: _spread(v) for init, v in by_init.items()},
+                            "majority_baseline": baselines.get(split) if metric == "accuracy" else None,
+                            "paper": paper, "paper_model": recipe.report.paper_model if paper is not None else None,
+                            "paper_source": PAPER_SOURCE["squad" if task.kind == "squad" else "glue"]
+                            if paper is not None else None})
+        tasks.append({"name": task.name, "kind": task.kind, "seeds": list(task.seeds), "metrics": metrics})
+    return {"tasks": tasks}

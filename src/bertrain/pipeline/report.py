@@ -1,0 +1,337 @@
+"""The report stage of `bertrain run`: report.md and one self-contained report.html (no network: the plots are
+matplotlib SVGs written into the page; report.md shows the same SVG files, saved beside it).
+
+Sections: the results (each task's dev scores from pretrained and from random weights, mean +- spread over seeds,
+the majority baseline, the BERT paper's figure where one exists), the stages (wall time, throughput), the
+pretraining curves of each phase (loss, MLM and NSP accuracy, lr, grad norm, loss scale, seq/s), and what it ran
+on: the exact recipe, package versions and hardware.
+"""
+from __future__ import annotations
+
+import html
+import io
+import json
+import os
+import platform
+import re
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bertrain.pipeline.recipe import Recipe, recipe_dict
+
+CURVES = (("loss", "loss (MLM + NSP)"), ("mlm_acc", "MLM accuracy"), ("nsp_acc", "NSP accuracy"), ("lr", "learning rate"),
+          ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("seq_per_s", "sequences / s"))
+PACKAGES = ("bertrain", "torch", "numpy", "tokenizers", "safetensors", "scikit-learn", "scipy", "matplotlib",
+            "PyYAML", "transformers")
+INIT_COLOURS = {"pretrained": "#1f77b4", "random": "#d62728"}
+
+
+# ----------------------------------------------------------------------------------------------- facts
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill: the rest is still worth plotting
+        if "step" in row and "loss" in row:
+            rows.append(row)
+    return rows
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def hardware() -> dict[str, str]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpus": str(os.cpu_count())}
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus usable"] = str(len(os.sched_getaffinity(0)))
+    try:
+        mem = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        info["memory"] = f"{int(mem.split()[1]) / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    info["threads (torch)"] = str(torch.get_num_threads())
+    info["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "(unset)")
+    if torch.cuda.is_available():
+        info["gpus"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        info["cuda"] = str(torch.version.cuda)
+    else:
+        info["gpus"] = "none (CPU)"
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+    info["processes"] = world or "1"
+    return info
+
+
+def _throughput(name: str, summary: dict[str, Any], wall_s: float) -> str:
+    s = summary or {}
+    if name.startswith("pretrain") and s.get("seq_per_s"):
+        return f"{s['seq_per_s']:,.1f} seq/s, {s.get('tokens_per_s', 0):,.0f} tokens/s ({s.get('steps')} steps)"
+    if name == "prepare" and s.get("tokens_per_s"):
+        return f"{s['tokens_per_s']:,.0f} tokens/s, {s.get('input_mb_per_s', 0):.2f} MB/s ({s.get('num_tokens'):,} tokens)"
+    if name == "vocab" and s.get("words"):
+        return f"{s['words'] / max(wall_s, 1e-9):,.0f} words/s ({s.get('tokens')} WordPieces)"
+    if name.startswith("finetune") and s.get("train_examples_per_second"):
+        return f"{s['train_examples_per_second']:,.1f} examples/s ({s.get('train_steps')} steps)"
+    if name.startswith("data-") and s.get("train"):
+        return f"{s['train']} train / {s.get('dev')} dev examples"
+    return ""
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "—"
+    return f"{s:.1f} s" if s < 120 else f"{int(s // 60)} min {s % 60:02.0f} s"
+
+
+def _fmt(v: float | None, pct: bool) -> str:
+    if v is None:
+        return "—"
+    return f"{100 * v:.1f}" if pct else f"{v:.1f}"
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+def _svg(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]  # drop the XML prologue and doctype: the page embeds the element
+    # width/height in pt make the SVG fixed-size; a viewBox plus max-width lets the page scale it
+    return re.sub(r'<svg([^>]*?) width="[^"]*" height="[^"]*"', r'<svg\1 style="max-width:100%;height:auto"',
+                  text, count=1)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: smaller, selectable
+    matplotlib.rcParams["svg.hashsalt"] = "bertrain"  # stable element ids: the same run gives the same file
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def curves_svg(rows: list[dict[str, Any]], title: str) -> str:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 4, figsize=(13, 5.2))
+    steps = [r["step"] for r in rows]
+    for ax, (key, label) in zip(axes.flat, CURVES):
+        pts = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, color="#1f77b4")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    last = axes.flat[-1]
+    last.axis("off")
+    if rows:
+        r = rows[-1]
+        lines = [f"{title}", f"steps: {r['step']}", f"final loss: {r['loss']:.3f}"]
+        lines += [f"final {k}: {r[k]:.3f}" for k in ("mlm_acc", "nsp_acc") if r.get(k) is not None]
+        last.text(0.0, 0.95, "\n".join(lines), va="top", fontsize=10, transform=last.transAxes)
+    fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def results_svg(task: dict[str, Any]) -> str:
+    """Each seed's score, pretrained vs random initialisation, with the majority baseline and the paper's figure."""
+    plt = _pyplot()
+    metrics = task["metrics"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.5, 3.2 * len(metrics)), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        inits = list(m["by_init"])
+        for x, init in enumerate(inits):
+            s = m["by_init"][init]
+            vals = list(s["seeds"].values())
+            colour = INIT_COLOURS.get(init, "grey")
+            ax.bar(x, s["mean"], width=0.6, color=colour, alpha=0.35)
+            ax.errorbar(x, s["mean"], yerr=s["std"], color=colour, capsize=6, lw=1.5)
+            ax.scatter([x] * len(vals), vals, color=colour, zorder=3, s=18)
+        if m.get("majority_baseline") is not None:
+            ax.axhline(m["majority_baseline"], color="grey", ls="--", lw=1, label="majority class")
+        if m.get("paper") is not None:
+            ax.axhline(m["paper"], color="green", ls=":", lw=1.5, label=f"BERT-{m['paper_model']} (paper)")
+        ax.set_xticks(range(len(inits)), [f"{i}\n({len(m['by_init'][i]['seeds'])} seeds)" for i in inits])
+        ax.set_title(f"{task['name']}: {m['split']} {m['metric']}", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
+        if m.get("majority_baseline") is not None or m.get("paper") is not None:
+            ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return _svg(fig)
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+def _results_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for task in results.get("tasks", []):
+        for m in task["metrics"]:
+            pct = m["metric"] not in ("exact", "exact_match", "f1") or task["kind"] != "squad"
+            cells = [task["name"], m["split"], m["metric"]]
+            for init in ("pretrained", "random"):
+                s = m["by_init"].get(init)
+                cells.append("—" if s is None else
+                             f"{_fmt(s['mean'], pct)} ± {_fmt(s['std'], pct)} "
+                             f"({_fmt(s['min'], pct)}–{_fmt(s['max'], pct)}, n={len(s['seeds'])})")
+            cells.append(_fmt(m.get("majority_baseline"), pct))
+            cells.append(f"{_fmt(m['paper'], pct)} (BERT-{m['paper_model']})" if m.get("paper") is not None else "—")
+            rows.append(cells)
+    return rows
+
+
+RESULT_HEADER = ["task", "split", "metric", "pretrained: mean ± sd (min–max, n)", "random init: mean ± sd",
+                 "majority class", "BERT paper"]
+STAGE_HEADER = ["stage", "what", "wall time", "throughput", "finished"]
+
+
+def _verdict(results: dict[str, Any]) -> list[str]:
+    out = []
+    for task in results.get("tasks", []):
+        m = task["metrics"][0] if task["metrics"] else None
+        if not m or "pretrained" not in m["by_init"]:
+            continue
+        p = m["by_init"]["pretrained"]
+        line = f"{task['name']} ({m['split']} {m['metric']}): pretrained {p['mean']:.4g} ± {p['std']:.2g}"
+        r = m["by_init"].get("random")
+        if r is not None:
+            worst_p, best_r = p["min"], r["max"]
+            line += (f" vs random init {r['mean']:.4g} ± {r['std']:.2g} — "
+                     + ("pretraining helps: every pretrained seed beats every random-init seed"
+                        if worst_p > best_r else "pretraining does not clearly help (the seeds overlap)"))
+        if m.get("majority_baseline") is not None:
+            line += f"; majority class {m['majority_baseline']:.4g}"
+        out.append(line)
+    return out
+
+
+def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path) -> Path:
+    """Write out_dir/report.md, out_dir/report.html and the SVGs report.md shows; returns the HTML path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = _read_json(run_dir / "evaluate" / "results.json") or {"tasks": []}
+    title = recipe.report.title or f"bertrain run: {recipe.name}"
+    stage_rows, figures = [], []
+    for s in stages:
+        if s.name == "report":
+            continue
+        info = _read_json(s.folder / "stage.json") or {}
+        wall = info.get("wall_s")
+        stage_rows.append([s.name, s.what, _fmt_s(wall), _throughput(s.name, info.get("summary", {}), wall or 0),
+                           info.get("finished", "—")])
+    for task in results.get("tasks", []):
+        if task["metrics"]:
+            figures.append((f"results-{task['name']}", f"Fine-tuning results: {task['name']}", results_svg(task)))
+    for s in stages:
+        if s.name.startswith("pretrain-phase"):
+            rows = _metrics_rows(s.folder / "metrics.jsonl")
+            if rows:
+                seq = s.config.sample.max_seq_length
+                figures.append((f"curves-{s.name}", f"Pretraining curves: {s.name} (sequence length {seq})",
+                                curves_svg(rows, f"{s.name}, sequence length {seq}")))
+    versions, hw = package_versions(), hardware()
+    recipe_yaml = yaml.safe_dump(recipe_dict(recipe), sort_keys=False)
+    verdict = _verdict(results)
+    written = time.strftime("%Y-%m-%d %H:%M:%S")
+    total = sum((_read_json(s.folder / "stage.json") or {}).get("wall_s", 0.0) for s in stages if s.name != "report")
+
+    # ---- markdown
+    def md_table(header: list[str], rows: list[list[str]]) -> str:
+        esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                         + ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows])
+
+    md = [f"# {title}", "", recipe.description.strip(), "", f"Run folder `{run_dir}`, report written {written}; "
+          f"stages took {_fmt_s(total)} in all (each stage's time is that of its last attempt).", ""]
+    if verdict:
+        md += ["## Verdict", ""] + [f"- {v}" for v in verdict] + [""]
+    md += ["## Fine-tuning results (dev set)", "", md_table(RESULT_HEADER, _results_rows(results)) or "(no tasks)", "",
+           "Accuracy-type metrics in percent. GLUE figures of the BERT paper are test-server scores.", ""]
+    for name, caption, svg in figures:
+        (out_dir / f"{name}.svg").write_text(svg, encoding="utf-8")
+        if name.startswith("results-"):
+            md += [f"![{caption}]({name}.svg)", ""]
+    md += ["## Stages", "", md_table(STAGE_HEADER, stage_rows), "", "## Pretraining curves", ""]
+    md += [f"![{caption}]({name}.svg)" for name, caption, _ in figures if name.startswith("curves-")] + [""]
+    md += ["## Environment", "", md_table(["package", "version"], [[k, v] for k, v in versions.items()]), "",
+           md_table(["hardware", ""], [[k, v] for k, v in hw.items()]), "", "## Recipe (resolved)", "", "```yaml",
+           recipe_yaml.rstrip(), "```", ""]
+    (out_dir / "report.md").write_text("\n".join(md), encoding="utf-8")
+
+    # ---- html: one file, everything inline
+    e = html.escape
+
+    def h_table(header: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{e(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def fig(name: str) -> str:
+        return "".join(f'<figure>{svg}<figcaption>{e(caption)}</figcaption></figure>'
+                       for n, caption, svg in figures if n.startswith(name))
+
+    parts = [f"<h1>{e(title)}</h1>", f"<p>{e(recipe.description.strip())}</p>",
+             f"<p class=meta>Run folder <code>{e(str(run_dir))}</code>, report written {e(written)}; stages took "
+             f"{e(_fmt_s(total))} in all (each stage's time is that of its last attempt).</p>"]
+    if verdict:
+        parts += ["<h2>Verdict</h2><ul>" + "".join(f"<li>{e(v)}</li>" for v in verdict) + "</ul>"]
+    parts += ["<h2>Fine-tuning results (dev set)</h2>", h_table(RESULT_HEADER, _results_rows(results)),
+              "<p class=meta>Accuracy-type metrics in percent. GLUE figures of the BERT paper are test-server "
+              "scores.</p>", fig("results-"),
+              "<h2>Stages</h2>", h_table(STAGE_HEADER, stage_rows), "<h2>Pretraining curves</h2>", fig("curves-"),
+              "<h2>Environment</h2><div class=row>", h_table(["package", "version"], [[k, v] for k, v in versions.items()]),
+              h_table(["hardware", ""], [[k, v] for k, v in hw.items()]), "</div>",
+              "<h2>Recipe (resolved)</h2>", f"<pre>{e(recipe_yaml)}</pre>"]
+    style = ("body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1200px;margin:2em auto;"
+             "padding:0 1em;color:#222;background:#fff}h1{font-size:1.6em}h2{border-bottom:1px solid #ddd;"
+             "padding-bottom:.2em;margin-top:1.6em}table{border-collapse:collapse;margin:.6em 1.5em .6em 0;"
+             "font-size:.9em}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
+             "th{background:#f2f4f7}tr:nth-child(even) td{background:#fafbfc}pre{background:#f6f8fa;padding:1em;"
+             "overflow:auto;font-size:.8em;border:1px solid #e1e4e8}figure{margin:1em 0}figcaption{color:#555;"
+             "font-size:.9em}.meta{color:#555}.row{display:flex;flex-wrap:wrap;align-items:flex-start}"
+             "code{background:#f2f4f7;padding:0 .2em}")
+    page = (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>"
+            f"<meta name=viewport content='width=device-width, initial-scale=1'><style>{style}</style></head>"
+            f"<body>{''.join(parts)}</body></html>\n")
+    path = out_dir / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path

@@ -1,0 +1,504 @@
+"""The stages of `bertrain run`, when each is skipped, resumed or redone, and the loop that runs them.
+
+    vocab -> prepare -> pretrain-phase1 -> pretrain-phase2 -> [data-TASK] -> finetune-TASK-INIT-sSEED ... ->
+    evaluate -> report
+
+Each stage owns the folder RUN/NAME. It writes `stage-started.json` (its hash) before any work and `stage.json`
+(hash, output identity, wall time, throughput) last: a folder with `stage.json` is complete.
+
+The hash of a stage is the sha256 of its resolved engine config (minus the keys that cannot change its result:
+logging, checkpoint interval, workers, how the model runs — `train.resume.EXACT_KEYS`; paths inside the run
+folder written as `$RUN`), the identity of its external inputs (the content of corpus files and task data, size
+and time for files over 256 MiB) and the hashes of the stages it depends on. So a change anywhere redoes that
+stage and every stage after it, and nothing else. A stage is
+
+* skipped: complete, the same hash, its output files still have the recorded sha256, and every stage it depends
+  on is skipped too;
+* resumed: started with the same hash but not complete (killed, stopped): the engine continues from its newest
+  complete checkpoint (`--resume auto`), prepare from its finished shards — bitwise the uninterrupted run on CPU;
+* redone: anything else. A folder with another hash is moved aside to NAME.replaced-<time> first, never deleted.
+
+Under torchrun / srun / mpirun every rank runs the loop: rank 0 decides each stage and tells the others;
+engine stages (pretraining, fine-tuning) run on every rank; one-process stages (vocab, prepare, task data,
+evaluate, report) run on rank 0 while the others wait in the rendezvous store (no time limit: prepare on a
+Wikipedia dump takes hours). One process group serves every stage.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import yaml
+
+from bertrain.config import save_config, to_dict
+from bertrain.data.readers import BUILTIN_PYTHON_DOCS, resolve_inputs
+from bertrain.data.tokenizer import VOCAB_STATS, read_vocab, train_vocab
+from bertrain.pipeline import downstream
+from bertrain.pipeline.recipe import (Recipe, finetune_config, prepare_config, pretrain_config, recipe_dict)
+from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.resume import EXACT_KEYS
+from bertrain.utils.errors import RunStopped, UserError
+from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from bertrain.utils.rundir import OutputLock, claim_run_folder, holds_run, move_aside, read_run
+
+log = logging.getLogger(__name__)
+
+STAGE_FILE = "stage.json"
+STARTED_FILE = "stage-started.json"
+HASH_FULL_BYTES = 256 << 20  # inputs up to this size are identified by content, larger ones by size and time
+
+
+# ----------------------------------------------------------------------------------------------- identity
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def input_identity(spec: str) -> str:
+    """What an external input is: the sha256 of its content (or size + time when huge), 'missing' if absent."""
+    if spec == BUILTIN_PYTHON_DOCS:
+        origin = importlib.util.find_spec("pydoc_data.topics").origin
+        return f"builtin sha256:{sha256_file(Path(origin))}"
+    try:
+        files = resolve_inputs([spec])
+    except (ValueError, OSError):
+        return "missing"
+    parts = []
+    for f in files:
+        st = os.stat(f)
+        parts.append(f"sha256:{sha256_file(Path(f))}" if st.st_size <= HASH_FULL_BYTES
+                     else f"size:{st.st_size},mtime:{int(st.st_mtime)}")
+    return parts[0] if len(parts) == 1 else "sha256:" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _settings(cfg: Any, run_dir: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The hashed part of an engine config: flat keys, without those that keep the result exact, with the run
+    folder written as $RUN (moving a run folder redoes nothing)."""
+    flat: dict[str, Any] = {}
+
+    def walk(d: Any, prefix: str) -> None:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                walk(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            flat[prefix] = d
+
+    walk(to_dict(cfg), "")
+    root = str(run_dir)
+    out = {}
+    for key, value in flat.items():
+        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXACT_KEYS + drop):
+            continue
+        if isinstance(value, str) and value.startswith(root):
+            value = "$RUN" + value[len(root):]
+        out[key] = value
+    return out
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    """One line for the dry-run and the report."""
+    parallel: bool
+    """Runs on every rank (the engine's stages); else on rank 0 while the others wait."""
+    deps: tuple[str, ...]
+    settings: dict[str, Any]
+    """The resolved config that decides the result (hashed)."""
+    inputs: dict[str, str]
+    """External inputs: name -> identity (hashed)."""
+    outputs: tuple[str, ...]
+    """Files (relative to the stage folder) whose sha256 is the stage's output identity."""
+    work: Callable[["Stage", DistInfo], dict[str, Any]]
+    """Does the stage; returns its summary (e.g. throughput) for stage.json and the report."""
+    folder: Path = Path()
+    setup: Optional[Callable[["Stage"], None]] = None
+    """Rank 0 only, before `work` on every rank (e.g. a random initialisation everyone then loads)."""
+    config: Any = None
+    """The engine config (saved as stage-config.yaml beside the outputs)."""
+    hash: str = ""
+    parts: dict[str, Any] = field(default_factory=dict)
+
+
+def _pretrain_summary(out: Path) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "seq_per_s" in r]
+    if not rows:
+        return {}
+    last = rows[-1]
+    return {"steps": last.get("step"), "seq_per_s": sum(r["seq_per_s"] for r in rows) / len(rows),
+            "tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in rows) / len(rows),
+            "final_loss": last.get("loss"), "mlm_acc": last.get("mlm_acc"), "nsp_acc": last.get("nsp_acc")}
+
+
+def build_stages(recipe: Recipe) -> list[Stage]:
+    """Every stage of the recipe with its engine config built (so validated) and its hash computed."""
+    from bertrain.data.prepare import prepare
+    from bertrain.tasks.finetune import run_glue, run_squad
+    from bertrain.tasks.pretraining import build_model, run_pretraining
+
+    run = recipe.run_dir
+    d = recipe.data
+    vocab_file = run / "vocab" / "vocab.txt"
+    stages: list[Stage] = []
+
+    # vocabulary
+    def vocab_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
+        out = stage.folder / "vocab.txt"
+        if d.vocab_file:
+            atomic_write_bytes(out, Path(d.vocab_file).read_bytes())
+            return {"tokens": len(read_vocab(out))}
+        if not (out.is_file() and (stage.folder / VOCAB_STATS).is_file()):  # both written together, last
+            train_vocab(list(d.input), stage.folder, vocab_size=d.vocab_size, lowercase=d.do_lower_case,
+                        min_frequency=d.min_frequency, overwrite=out.exists(), corpus=d.corpus)
+        stats = json.loads((stage.folder / VOCAB_STATS).read_text(encoding="utf-8"))
+        return {"tokens": stats.get("num_tokens"), "words": stats.get("num_words")}
+
+    corpus_inputs = {f"data.input: {s}": input_identity(s) for s in d.input}
+    vocab_settings = {"input": list(d.input), "corpus": to_dict(d.corpus), "do_lower_case": d.do_lower_case,
+                      "vocab_size": d.vocab_size, "min_frequency": d.min_frequency, "vocab_file": d.vocab_file}
+    stages.append(Stage("vocab", "train the WordPiece vocabulary" if not d.vocab_file else "copy the vocabulary",
+                        False, (), vocab_settings,
+                        {f"data.vocab_file: {d.vocab_file}": input_identity(d.vocab_file)} if d.vocab_file
+                        else corpus_inputs, ("vocab.txt",), vocab_work))
+
+    # prepare
+    pcfg = prepare_config(recipe, run, vocab_file)
+
+    def prepare_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
+        if not (Path(pcfg.output) / "stats.json").is_file():  # a folder that exists is complete (renamed last)
+            prepare(pcfg)
+        stats = json.loads((Path(pcfg.output) / "stats.json").read_text(encoding="utf-8"))
+        return {k: stats.get(k) for k in ("num_documents", "num_tokens", "input_bytes", "tokens_per_s",
+                                          "input_mb_per_s")}
+
+    stages.append(Stage("prepare", f"tokenize the corpus into a token store ({pcfg.masking} masking)", False,
+                        ("vocab",), _settings(pcfg, run, drop=("workers",)), corpus_inputs,
+                        ("data/stats.json", "data/store.json"), prepare_work, config=pcfg))
+
+    # pretraining, phase 1 then phase 2 from phase 1's final weights
+    prepared = Path(pcfg.output)
+    phases = [1, 2] if recipe.phase2 is not None else [1]
+    last_pretrain = None
+    for phase in phases:
+        init = run / f"pretrain-phase{phase - 1}" / "final" if phase > 1 else None
+        cfg = pretrain_config(recipe, phase, run, vocab_file, prepared, init)
+
+        def pretrain_work(stage: Stage, dist: DistInfo, cfg=cfg) -> dict[str, Any]:
+            result = run_pretraining(cfg, resume="auto")
+            if result.stopped_by_signal:
+                step = result.state.step
+                raise RunStopped(f"stopped by a signal in stage {stage.name} at step {step} (saved {cfg.output_dir}"
+                                 f"/step-{step}); run the same `bertrain run` again to continue",
+                                 checkpoint=Path(cfg.output_dir) / f"step-{step}")
+            return _pretrain_summary(Path(cfg.output_dir)) if dist.is_main else {}
+
+        name = f"pretrain-phase{phase}"
+        deps = ("vocab", "prepare") + ((last_pretrain,) if last_pretrain else ())
+        stages.append(Stage(name, f"pretrain MLM+NSP at sequence length {cfg.sample.max_seq_length}, "
+                                  f"{cfg.train.steps or cfg.train.epochs} {'steps' if cfg.train.steps else 'epochs'}",
+                            True, deps, _settings(cfg, run), {}, ("final/model.safetensors",), pretrain_work,
+                            config=cfg))
+        last_pretrain, last_cfg = name, cfg
+
+    # fine-tuning: each task, from the pretrained weights (and from random initialisation), over its seeds
+    finetune_names: list[str] = []
+    for i, task in enumerate(recipe.finetune):
+        data_dir = None
+        task_deps: tuple[str, ...] = ()
+        task_inputs: dict[str, str] = {}
+        if task.kind == "pydoc-topics":
+            data_dir = run / f"data-{task.name}" / "data"
+
+            def data_work(stage: Stage, dist: DistInfo, data_dir=data_dir) -> dict[str, Any]:
+                stats = downstream.write_task(data_dir)
+                atomic_write_json(stage.folder / "task-stats.json", stats)
+                return stats["examples"]
+
+            stages.append(Stage(f"data-{task.name}", "build the topic-of-docstring task from the standard library",
+                                False, (), {"task": downstream.TASK_NAME, "topics": downstream.TOPICS,
+                                            "min_chars": downstream.MIN_CHARS},
+                                {"python": f"{sys.version.split()[0]} {sys.platform}"},
+                                ("data/train.tsv", "data/dev.tsv"), data_work))
+            task_deps = (f"data-{task.name}",)
+        for init_kind in ("pretrained", "random") if task.random_init else ("pretrained",):
+            for seed in task.seeds:
+                name = f"finetune-{task.name}-{init_kind}-s{seed}"
+                folder = run / name
+                init = run / last_pretrain / "final" if init_kind == "pretrained" else folder / "init"
+                cfg = finetune_config(recipe, i, init, folder / "out", seed, data_dir)
+                if task.kind != "pydoc-topics" and not task_inputs:  # the task's files: once per task
+                    files = ([cfg.data.train_file, cfg.data.dev_file] if task.kind == "squad"
+                             else [cfg.data.data_dir])
+                    task_inputs = {f"finetune[{i}] data: {f}": input_identity(f) for f in files if f}
+                kind = task.kind
+
+                def ft_work(stage: Stage, dist: DistInfo, cfg=cfg, kind=kind) -> dict[str, Any]:
+                    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto")
+                    return {k: results.get(k) for k in ("train_examples_per_second", "train_seconds",
+                                                        "train_steps")} if results else {}
+
+                setup = None
+                settings = _settings(cfg, run)
+                if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
+                    settings["random_init.model"] = dict(to_dict(last_cfg.model), init=None)
+                    setup = functools.partial(_random_init, Path(cfg.init), last_cfg, seed, vocab_file, build_model)
+
+                deps = (("vocab",) if init_kind == "random" else (last_pretrain,)) + task_deps
+                stages.append(Stage(name, f"fine-tune {task.name} from {init_kind} weights, seed {seed}", True,
+                                    deps, settings, task_inputs,
+                                    ("out/final/model.safetensors", "out/eval_results.json"), ft_work,
+                                    setup=setup, config=cfg))
+                finetune_names.append(name)
+
+    if recipe.finetune:
+        from bertrain.pipeline.evaluate import summarize
+
+        def eval_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
+            results = summarize(recipe, run)
+            atomic_write_json(stage.folder / "results.json", results)
+            return {"tasks": len(results["tasks"])}
+
+        stages.append(Stage("evaluate", "collect the dev-set results: mean and spread over seeds, baselines",
+                            False, tuple(finetune_names), {"tasks": [to_dict(t) for t in recipe.finetune],
+                                                           "paper_model": recipe.report.paper_model}, {},
+                            ("results.json",), eval_work))
+
+    from bertrain.pipeline.report import write_report
+
+    def report_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
+        write_report(recipe, run, stages, stage.folder)
+        return {}
+
+    stages.append(Stage("report", "write report.md and report.html", False, tuple(s.name for s in stages),
+                        {"recipe": recipe_dict(recipe)}, {}, ("report.md", "report.html"), report_work))
+
+    for s in stages:  # the hash chain: settings, inputs and the hashes of the stages a stage depends on
+        by_name = {t.name: t for t in stages}
+        s.folder = run / s.name
+        s.parts = {"settings": s.settings, "inputs": s.inputs, "upstream": {n: by_name[n].hash for n in s.deps}}
+        s.hash = _digest(s.parts)
+    return stages
+
+
+def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, build_model: Callable,
+                 stage: Stage) -> None:
+    """The same architecture as the pretrained model, randomly initialised (seeded), as an HF model folder."""
+    import dataclasses
+
+    from bertrain.model.hf import tokenizer_files_from_vocab
+    from bertrain.utils.io import atomic_dir
+
+    if (folder / "config.json").is_file():  # complete (built under a temporary name, renamed)
+        return
+    cfg = dataclasses.replace(arch_cfg, model=dataclasses.replace(arch_cfg.model, init=None))
+    torch.manual_seed(seed)
+    files = tokenizer_files_from_vocab(vocab_file, cfg.data.do_lower_case)
+    model = build_model(cfg, len(read_vocab(vocab_file)), files)
+    with atomic_dir(folder, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+
+
+# ----------------------------------------------------------------------------------------------- decisions
+
+@dataclass
+class Decision:
+    action: str
+    """skip | run | resume | redo"""
+    reason: str
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """A short account of how two hash parts differ: the first keys, inputs or upstream stages."""
+    bits = []
+    a, b = old.get("settings", {}), new.get("settings", {})
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    bits += [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:3]] + ([f"{len(keys) - 3} more keys"]
+                                                                          if len(keys) > 3 else [])
+    ia, ib = old.get("inputs", {}), new.get("inputs", {})
+    bits += [f"input {k} changed" for k in sorted(set(ia) | set(ib)) if ia.get(k) != ib.get(k)]
+    ua, ub = old.get("upstream", {}), new.get("upstream", {})
+    bits += [f"stage {k} changed" for k in sorted(set(ua) | set(ub)) if ua.get(k) != ub.get(k)]
+    return "; ".join(bits) or "the stage's definition changed"
+
+
+def output_identity(stage: Stage) -> dict[str, str] | None:
+    """sha256 of each output file; None when one is missing."""
+    out = {}
+    for rel in stage.outputs:
+        p = stage.folder / rel
+        if not p.is_file():
+            return None
+        out[rel] = sha256_file(p)
+    return out
+
+
+def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
+    """What to do with `stage` now (see the module docstring); `upstream` holds the decisions already taken."""
+    done = _read_json(stage.folder / STAGE_FILE)
+    started = _read_json(stage.folder / STARTED_FILE)
+    moved = [n for n in stage.deps if upstream[n].action != "skip"]
+    if done is not None:
+        if done.get("hash") != stage.hash:
+            return Decision("redo", _what_changed(done.get("parts", {}), stage.parts))
+        if moved:
+            return Decision("redo", f"stage {moved[0]} runs again")
+        if output_identity(stage) != done.get("outputs"):
+            return Decision("redo", "an output file was changed or removed since it completed")
+        return Decision("skip", "complete; settings and inputs unchanged")
+    if started is not None:
+        if started.get("hash") == stage.hash:
+            return Decision("resume", "interrupted: continues where it stopped")
+        return Decision("redo", "interrupted, and since then " + _what_changed(started.get("parts", {}), stage.parts))
+    if stage.folder.exists() and any(stage.folder.iterdir()):
+        return Decision("redo", "its folder holds something else")
+    return Decision("run", "not run yet")
+
+
+def plan(stages: list[Stage]) -> dict[str, Decision]:
+    decisions: dict[str, Decision] = {}
+    for s in stages:
+        decisions[s.name] = decide(s, decisions)
+    return decisions
+
+
+def missing_inputs(stages: list[Stage]) -> list[str]:
+    return [f"{stage.name}: {name}" for stage in stages for name, ident in stage.inputs.items() if ident == "missing"]
+
+
+def format_plan(stages: list[Stage], decisions: dict[str, Decision], run_dir: Path) -> str:
+    width = max(len(s.name) for s in stages)
+    lines = [f"{len(stages)} stages in {run_dir} ({sum(d.action != 'skip' for d in decisions.values())} to run):"]
+    for s in stages:
+        d = decisions[s.name]
+        lines.append(f"  {s.name:<{width}}  {d.action:<6}  {d.reason}   [{s.what}]")
+    missing = missing_inputs(stages)
+    if missing:
+        lines.append("missing inputs (the run would refuse to start): " + "; ".join(missing))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+@contextlib.contextmanager
+def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[None]:
+    """Rank 0 locks the run folder for the whole command and claims it for `bertrain run` (a folder of another
+    command is refused unless --overwrite, which moves it aside); every rank learns the outcome."""
+    with contextlib.ExitStack() as held:
+        error: BaseException | None = None
+        if dist.is_main:
+            try:
+                held.enter_context(OutputLock(run_dir, "run"))
+                existing = read_run(run_dir)
+                foreign = (existing is not None and existing.get("command") != "run") or \
+                    (existing is None and holds_run(run_dir))
+                if foreign and not overwrite:
+                    raise UserError(f"run folder {run_dir} holds the outputs of another command: choose another "
+                                    "output_dir, or --overwrite (the old folder is moved aside, not deleted)")
+                claim_run_folder(run_dir, "run", None if overwrite else "auto", overwrite)
+            except BaseException as e:
+                error = e
+        if not broadcast_object(error is None):
+            raise error or UserError(f"rank 0 could not use the run folder {run_dir} (see its message)")
+        yield
+
+
+def _rank0(what: str, fn: Callable[[], Any], dist: DistInfo) -> Any:
+    """`fn()` on rank 0 while the other ranks wait (no time limit); an error on rank 0 stops every rank."""
+    error: BaseException | None = None
+    value = None
+    if dist.is_main:
+        try:
+            value = fn()
+        except BaseException as e:  # let the others leave the barrier before raising
+            error = e
+    barrier(waiting_for=f"rank 0 to {what}")
+    if not broadcast_object(error is None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank 0 failed to {what} (see its log)")
+    return broadcast_object(value)
+
+
+def _begin(stage: Stage, decision: Decision) -> None:
+    """Rank 0: make the stage folder this attempt's (move a different one aside) and record the hash."""
+    if decision.action == "redo" and stage.folder.exists():
+        moved = move_aside(stage.folder)
+        log.info("stage %s: the previous folder was moved aside to %s", stage.name, moved.name)
+    stage.folder.mkdir(parents=True, exist_ok=True)
+    if decision.action != "resume":
+        atomic_write_json(stage.folder / STARTED_FILE, {"hash": stage.hash, "parts": stage.parts,
+                                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    if stage.config is not None:
+        save_config(stage.config, stage.folder / "stage-config.yaml")
+    if stage.setup is not None:
+        stage.setup(stage)
+
+
+def _finish(stage: Stage, summary: dict[str, Any], wall_s: float) -> None:
+    outputs = output_identity(stage)
+    if outputs is None:
+        raise RuntimeError(f"stage {stage.name} finished without its outputs {list(stage.outputs)}")
+    atomic_write_json(stage.folder / STAGE_FILE, {
+        "stage": stage.name, "hash": stage.hash, "parts": stage.parts, "outputs": outputs,
+        "wall_s": round(wall_s, 2), "summary": summary,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> dict[str, Decision]:
+    """Run the pipeline (every rank calls this); returns the decisions taken."""
+    run_dir = recipe.run_dir
+    missing = missing_inputs(stages)
+    if missing:
+        raise UserError("missing inputs: " + "; ".join(missing) + " — fix the recipe keys named, then run again")
+    dist_cfg = next(s.config for s in stages if s.name == "pretrain-phase1").distributed
+    decisions: dict[str, Decision] = {}
+    with distributed_context(dist_cfg) as dist, pipeline_folder(run_dir, dist, overwrite):
+        if dist.is_main:
+            atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
+        for stage in stages:
+            decision = broadcast_object(decide(stage, decisions) if dist.is_main else None)
+            decisions[stage.name] = decision
+            if dist.is_main:
+                log.info("stage %s: %s (%s)", stage.name, decision.action, decision.reason)
+            if decision.action == "skip":
+                continue
+            t0 = time.perf_counter()  # wall time of this attempt (a resumed stage: the rest of its work)
+            _rank0(f"set up stage {stage.name}", lambda: _begin(stage, decision), dist)
+            if stage.parallel:
+                summary = stage.work(stage, dist)
+                _rank0(f"finish stage {stage.name}", lambda: _finish(stage, summary, time.perf_counter() - t0), dist)
+            else:
+                def one() -> None:
+                    summary = stage.work(stage, dist)
+                    _finish(stage, summary, time.perf_counter() - t0)
+                _rank0(f"finish stage {stage.name}", one, dist)
+    return decisions
