@@ -284,8 +284,12 @@ def cleanup() -> None:
 
 @contextlib.contextmanager
 def distributed_context(cfg: DistributedConfig | None = None) -> Iterator[DistInfo]:
-    """`init_distributed` and always `cleanup`, even on errors."""
+    """`init_distributed` and always `cleanup`, even on errors — unless the process group was there already: then
+    an outer context owns it (`bertrain run` holds one group for all its stages; re-creating it per stage would let a
+    fast rank reach rank 0's old rendezvous store before rank 0 has closed it)."""
+    owner = not (torch_dist.is_available() and torch_dist.is_initialized())
     try:
         yield init_distributed(cfg)
     finally:
-        cleanup()
+        if owner:
+            cleanup()
