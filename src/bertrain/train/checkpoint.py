@@ -6,6 +6,9 @@ state of every rank, data-loader state, step / samples / epoch); `config.yaml` (
 `manifest.json` (size and sha256 of every file) and a `COMPLETE` marker written last. It is built under a
 temporary name and renamed into place, so a crash leaves either the whole folder or none. `latest_checkpoint`
 returns the newest folder that is complete and whose checksums match, reporting and skipping the others.
+
+Under `distributed.strategy: fsdp` the weights and optimizer state are sharded instead (`dcp/`, every rank writes
+its own part: `train/dcp.py`), with the same manifest, marker and checks.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"step-{step}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -77,7 +80,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_s
             save_config(config, tmp / "config.yaml")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"step": step, "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size,
-                                                                      "sha256": _sha256(p)} for p in files}}
+                                                                      "sha256": sha256_file(p)} for p in files}}
         atomic_write_json(tmp / MANIFEST, manifest)
         (tmp / COMPLETE).write_text(f"{step}\n")  # last: a folder with this marker is whole
     log.info("saved checkpoint %s", target)
@@ -136,7 +139,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
             return f"missing file {rel}"
         if f.stat().st_size != meta["size"]:
             return f"corrupt file {rel}: size {f.stat().st_size} != {meta['size']}"
-        if _sha256(f) != meta["sha256"]:
+        if sha256_file(f) != meta["sha256"]:
             return f"corrupt file {rel}: checksum mismatch"
     if TRAIN_STATE not in manifest.get("files", {}):
         return f"no {TRAIN_STATE}"

@@ -156,6 +156,18 @@ class DistributedConfig:
     stop_grace_s: float = 20.0
     """After SIGTERM/SIGINT, seconds to wait for the step in flight to finish; past it the step counts as hung and
     the process exits (code 3) naming the last complete checkpoint. Keep it below the scheduler's kill delay."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism: ddp (every rank holds full weights, gradients and optimizer state) or fsdp (PyTorch FSDP2:
+    each rank holds 1/world of them, weights are all-gathered per layer for forward and backward; see
+    train/parallel.py). Checkpoints of either resume under the other."""
+    reshard_after_forward: bool = True
+    """fsdp: free each layer's gathered weights after its forward and gather them again for backward (ZeRO-3: least
+    memory, 1.5x the traffic of ddp); false keeps them until backward (ZeRO-2 memory for weights, ddp's traffic)."""
+    fsdp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """fsdp: dtype in which weights are all-gathered and computed (auto: bf16/fp16 under precision.mode bf16/fp16,
+    else fp32); the sharded master weights and the optimizer stay fp32."""
+    fsdp_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fsdp: dtype of the gradient reduce-scatter (16 bits halves its bytes; fp32 keeps gradients exact)."""
 
     def __post_init__(self) -> None:
         _check_all([

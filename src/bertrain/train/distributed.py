@@ -27,6 +27,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
 
 from bertrain.train.config import DistributedConfig
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
@@ -192,14 +193,30 @@ def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None =
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP; an FSDP2 model is sharded in place, so it is its own unwrapped form."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def no_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip DDP's gradient all-reduce inside the block (accumulation micro-steps) when `enabled`."""
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) inside the block (accumulation micro-steps)
+    when `enabled`: gradients accumulate locally until the last micro-step's backward reduces them."""
     if enabled and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
+    if enabled and isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    # FSDP2 has a setter but no context; the flag DDP uses tells `grads_are_synced` where we are
+    model.set_requires_gradient_sync(False)
+    model.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.require_backward_grad_sync = True
 
 
 def grads_are_synced(model: nn.Module) -> bool:

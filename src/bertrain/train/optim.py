@@ -8,13 +8,21 @@
 * `BertAdamW`: google-research/bert's AdamWeightDecayOptimizer (no bias correction); with bias correction we use
   `torch.optim.AdamW` itself. `torch.optim.RAdam` for radam.
 * `build_optimizer` puts biases and LayerNorm parameters in a group without weight decay.
+
+Under FSDP2 (`distributed.strategy: fsdp`) parameters, gradients and moments are `DTensor`s sharded on dim 0.
+LAMB and BertAdamW then work on the local shards (the maths is elementwise), except for the norms: a trust ratio
+needs ||w|| and ||update|| of the *full* tensor and NVLAMB the global gradient norm, so each rank sums the squares
+of its shards and one all-reduce per parameter group adds them up (never a gather of the full tensors).
+`torch.optim.AdamW`/`RAdam` handle DTensors themselves.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as torch_dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from bertrain.train.config import OptimConfig
 
@@ -33,6 +41,31 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
                 decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the same storage: in-place updates reach the parameter), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_group(params: list[torch.Tensor]) -> Any:
+    """The process group over which `params` are sharded (FSDP2 DTensors), or None for ordinary tensors."""
+    if not params or not isinstance(params[0], DTensor):
+        return None
+    p = params[0]
+    assert p.device_mesh.ndim == 1 and all(isinstance(pl, Shard) for pl in p.placements), \
+        f"sharded norms assume a 1-D mesh of shards, got {p.placements}"
+    return p.device_mesh.get_group()
+
+
+def full_norms(tensors: list[torch.Tensor], group: Any) -> torch.Tensor:
+    """L2 norm of each full tensor, from the local shards: sqrt(all-reduced sum of local squares) when `group`."""
+    norms = torch.stack(torch._foreach_norm([_local(t) for t in tensors]))
+    if group is None:
+        return norms
+    squares = norms.square()
+    torch_dist.all_reduce(squares, group=group)
+    return squares.sqrt()
 
 
 class Lamb(torch.optim.Optimizer):
@@ -66,7 +99,7 @@ class Lamb(torch.optim.Optimizer):
         if self.nvlamb:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
-                global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                global_norm = torch.linalg.vector_norm(full_norms(grads, shard_group(grads)))
                 # divide by the global norm (guarded against 0); computed before any moment update
                 grad_scale = torch.where(global_norm > 0, 1.0 / global_norm, torch.ones_like(global_norm))
         for group in self.param_groups:
@@ -82,7 +115,8 @@ class Lamb(torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             foreach = self.foreach if self.foreach is not None else params[0].is_cuda
-            (self._group_foreach if foreach else self._group_per_tensor)(group, params, states, grad_scale)
+            (self._group_foreach if foreach else self._group_per_tensor)(group, params, states, grad_scale,
+                                                                         shard_group(params))
         return loss
 
     @staticmethod
@@ -98,13 +132,15 @@ class Lamb(torch.optim.Optimizer):
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
         return ratio.clamp(group["min_trust_ratio"], group["max_trust_ratio"])
 
-    def _group_foreach(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None) -> None:
-        grads = [p.grad for p in params]
+    def _group_foreach(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None,
+                       shards: Any) -> None:
+        grads = [_local(p.grad) for p in params]
+        params = [_local(p) for p in params]
         if grad_scale is not None:
             grads = torch._foreach_mul(grads, grad_scale)
         steps = [st["step"] for st in states]
-        exp_avg = [st["exp_avg"] for st in states]
-        exp_avg_sq = [st["exp_avg_sq"] for st in states]
+        exp_avg = [_local(st["exp_avg"]) for st in states]
+        exp_avg_sq = [_local(st["exp_avg_sq"]) for st in states]
         beta1, beta2 = group["betas"]
         torch._foreach_add_(steps, 1.0)
         # m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
@@ -121,17 +157,19 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_div_(update, bc1)
         if group["weight_decay"] != 0:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
-        ratio = self._trust_ratio(group, torch.stack(torch._foreach_norm(params)),
-                                  torch.stack(torch._foreach_norm(update)))
+        ratio = self._trust_ratio(group, full_norms(params, shards), full_norms(update, shards))
         torch._foreach_mul_(update, list(torch.unbind(ratio * -group["lr"])))
         torch._foreach_add_(params, update)
 
-    def _group_per_tensor(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None) -> None:
+    def _group_per_tensor(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None,
+                          shards: Any) -> None:
         beta1, beta2 = group["betas"]
         bc1 = bc2 = None
+        sharded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard, its update): ratios need full norms first
         for p, st in zip(params, states):
-            g = p.grad if grad_scale is None else p.grad * grad_scale
-            m, v = st["exp_avg"], st["exp_avg_sq"]
+            g = _local(p.grad) if grad_scale is None else _local(p.grad) * grad_scale
+            p = _local(p)
+            m, v = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
             st["step"].add_(1.0)
             if bc1 is None:
                 bc1, bc2 = self._bias_corrections(group, float(st["step"]))
@@ -143,8 +181,16 @@ class Lamb(torch.optim.Optimizer):
                 update.div_(bc1)
             if group["weight_decay"] != 0:
                 update.add_(p, alpha=group["weight_decay"])
+            if shards is not None:
+                sharded.append((p, update))
+                continue
             ratio = self._trust_ratio(group, torch.linalg.vector_norm(p), torch.linalg.vector_norm(update))
             p.add_(update.mul_(ratio * -group["lr"]))
+        if sharded:  # one all-reduce for the group's norms, then the updates
+            shard_list, updates = [p for p, _ in sharded], [u for _, u in sharded]
+            ratios = self._trust_ratio(group, full_norms(shard_list, shards), full_norms(updates, shards))
+            for p, update, ratio in zip(shard_list, updates, ratios.unbind()):
+                p.add_(update.mul_(ratio * -group["lr"]))
 
 
 class BertAdamW(torch.optim.Optimizer):
@@ -167,13 +213,14 @@ class BertAdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            grads = [p.grad for p in params]
+            grads = [_local(p.grad) for p in params]
             for p in params:
                 if not self.state[p]:
                     self.state[p]["exp_avg"] = torch.zeros_like(p)
                     self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
-            m = [self.state[p]["exp_avg"] for p in params]
-            v = [self.state[p]["exp_avg_sq"] for p in params]
+            m = [_local(self.state[p]["exp_avg"]) for p in params]
+            v = [_local(self.state[p]["exp_avg_sq"]) for p in params]
+            params = [_local(p) for p in params]
             beta1, beta2 = group["betas"]
             torch._foreach_lerp_(m, grads, 1 - beta1)
             torch._foreach_mul_(v, beta2)

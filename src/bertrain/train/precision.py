@@ -13,6 +13,7 @@ import logging
 from typing import Any, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from bertrain.train.config import PrecisionConfig
 
@@ -60,12 +61,17 @@ class Precision:
         """Unscale the gradients (fp16) and clip them to `max_norm` (0: measure only); returns the global norm.
 
         Call once per optimizer step, after the last micro-step's backward, i.e. on the all-reduced gradients.
+        Under FSDP2 the gradients are DTensor shards: torch's norm reduces the shards' norms over the ranks
+        (the global norm, as DDP's) and GradScaler's inf/NaN check is reduced over the ranks by DTensor (`max`
+        of the per-shard flags), so every rank skips the same steps.
         """
         self.scaler.unscale_(optimizer)
         params = [p for p in params if p.grad is not None]
         if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else torch.zeros(())
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else torch.zeros(())
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # replicated: no communication
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Optimizer step; False when fp16 found inf/NaN gradients and skipped it (the schedule must not advance)."""

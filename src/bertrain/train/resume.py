@@ -27,6 +27,7 @@ from torch import nn
 from bertrain.config import load_file, to_dict
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig
+from bertrain.train.dcp import load_model_and_optimizer
 from bertrain.train.distributed import DistInfo, broadcast_object
 from bertrain.train.precision import Precision
 from bertrain.utils.errors import UserError
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 EXACT_KEYS = ("train.log_interval", "train.trim_padding", "checkpoint.", "data.num_workers", "distributed.backend",
               "distributed.device", "distributed.timeout_s", "distributed.bucket_cap_mb", "distributed.heartbeat",
               "distributed.stop_grace_s", "model_options.", "output_dir", "do_eval", "eval_batch_size",
+              # ddp <-> fsdp: the same run (allclose, not bitwise: reduction order); resharding is bitwise
+              "distributed.strategy", "distributed.reshard_after_forward",
               "data.predict_test", "data.cache_dir", "data.n_best_size", "data.max_answer_length",
               "data.null_score_diff_threshold", "data.dev_file", "data.dev_articles")
 
@@ -150,16 +153,14 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
         raise UserError(f"--resume: {path} was written by an older bertrain (train_state version "
                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
     changes = check_config(path, cfg, allow_change)
-    try:
-        ckpt.load_model_weights(model, path)
-    except (RuntimeError, ValueError) as e:
-        raise UserError(f"--resume {path}: the checkpoint's model does not fit this config's model ({e}); a "
-                        "different architecture cannot continue a run: start a new run with model.init") from None
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if "optim.name" in changes:
         log.warning("optimizer changed (%s -> %s): its moments start fresh", *changes["optim.name"])
-    else:
-        optimizer.load_state_dict(ts["optimizer"])
+    try:  # a DDP or an FSDP (sharded) checkpoint, into a plain or an FSDP-sharded model
+        load_model_and_optimizer(path, ts, model, optimizer, load_optimizer="optim.name" not in changes)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--resume {path}: the checkpoint's model does not fit this config's model ({e}); a "
+                        "different architecture cannot continue a run: start a new run with model.init") from None
     precision.load_state_dict(ts["precision"])
     loader.load_state_dict(ts["loader"])
     if changes:

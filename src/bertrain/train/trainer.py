@@ -22,6 +22,11 @@ The parts that are easy to get wrong:
 * **Resume.** Rank 0 chooses the checkpoint (newest complete and verified one for "auto") and broadcasts the
   choice; every rank restores weights, optimizer, scheduler, loss scaler, loader position and its own RNG state,
   so a resumed run is bitwise the straight one.
+* **Strategy.** `distributed.strategy` ddp wraps the model in DDP; fsdp shards it in place with FSDP2
+  (`train/parallel.py`) before the optimizer is built, so the optimizer holds only this rank's shards. The step
+  is the same code: `no_sync` skips the reduce-scatter instead of the all-reduce, FSDP2 also averages over
+  ranks, norms of sharded tensors are reduced over the ranks. Checkpoints are then written by every rank
+  (`train/dcp.py`), and the returned model is gathered back into one plain module.
 """
 from __future__ import annotations
 
@@ -43,11 +48,13 @@ from bertrain.config import save_config
 from bertrain.model.options import apply_model_options
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
+from bertrain.train.dcp import save_sharded_checkpoint
 from bertrain.train.distributed import (
     DistInfo, all_reduce_sum, broadcast_object, gather_objects, grads_are_synced, no_sync, unwrap_model, wrap_model,
 )
 from bertrain.train.metrics import MetricsLogger
 from bertrain.train.optim import build_optimizer
+from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model, is_sharded, meta_copy
 from bertrain.train.precision import Precision
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
@@ -131,9 +138,14 @@ class Trainer:
     def fit(self, task: Task, resume: str | None = None, allow_config_change: bool = False) -> RunResult:
         cfg, dist = self.cfg, self.dist
         plan = resolve_batch(cfg.train, dist.world_size)
+        dims = ParallelDims.from_config(cfg, dist.world_size)  # refuses a strategy that does not fit the job
         loader = task.build_loader(dist, plan)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = apply_model_options(task.build_model(), cfg.model_options).to(dist.device)
+        template = None
+        if dims.fsdp_enabled:  # before the optimizer: fully_shard replaces the parameters with this rank's shards
+            template = meta_copy(model)
+            apply_fsdp(model, cfg, dist)
         total_steps = resolve_total_steps(cfg.train, loader, plan)
         lr = scaled_lr(cfg, plan)
         optimizer = build_optimizer(model, cfg.optim, lr)
@@ -148,7 +160,7 @@ class Trainer:
             state = TrainState(**saved)
         else:
             loader.set_epoch(0)
-        ddp_model = wrap_model(model, dist, cfg.distributed)
+        ddp_model = model if dims.fsdp_enabled else wrap_model(model, dist, cfg.distributed)
         if dist.is_main:
             save_config(cfg, self.out / "config.yaml")
             log.info("%s: %d steps, global batch %d = micro %d x accumulation %d x %d ranks, lr %g, %s, %s",
@@ -167,6 +179,8 @@ class Trainer:
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()
+        if template is not None:  # one plain module again (every rank) for evaluation and the HF export
+            model = gather_full_model(model, template, dist.device)
         return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step)
 
 
@@ -258,13 +272,15 @@ class _Run:
         return shares
 
     def save(self) -> None:
-        """Every rank contributes its RNG state; rank 0 writes the folder; all learn whether it worked."""
+        """Every rank contributes its RNG state; rank 0 writes the folder (under fsdp every rank writes its shards);
+        all learn whether it worked."""
         rngs = gather_objects(ckpt.rng_state())
+        sharded = is_sharded(self.model)
         error: Exception | None = None
-        if self.dist.is_main:
+        if self.dist.is_main or sharded:
             train_state = {
                 "version": 2, "task": self.task.name, "state": asdict(self.state),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "precision": self.precision.state_dict(), "rng": rngs, "loader": self.loader.state_dict(),
                 "world_size": self.dist.world_size, "batch": asdict(self.plan),
                 "threads": torch.get_num_threads(),  # CPU results depend on it: a resume reuses it
@@ -274,11 +290,20 @@ class _Run:
             kept = f"{last} (the last complete checkpoint) is intact" if last else "no checkpoint was written before"
             try:
                 with writing(f"writing checkpoint step-{self.state.step} in {self.out}", kept=kept):
-                    ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model), train_state,
-                                         self.cfg, self.cfg.checkpoint.keep_last)
+                    if sharded:  # weights and optimizer state: each rank its shards (train/dcp.py)
+                        save_sharded_checkpoint(self.out, self.state.step, self.model, self.optimizer, train_state,
+                                                self.cfg, self.cfg.checkpoint.keep_last, self.dist)
+                    else:
+                        ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model),
+                                             {**train_state, "optimizer": self.optimizer.state_dict()},
+                                             self.cfg, self.cfg.checkpoint.keep_last)
             except OutputError as e:
                 error = e
-        if not broadcast_object(error is None):  # instead of a barrier: a failed save stops every rank
+        # instead of a barrier: a failed save stops every rank
+        if sharded and not all(gather_objects(error is None)):
+            raise error or UserError(f"a rank could not write its part of checkpoint step-{self.state.step} "
+                                     "(see its log)")
+        if not sharded and not broadcast_object(error is None):
             raise error or UserError(f"rank 0 could not write checkpoint step-{self.state.step} (see its log)")
 
 

@@ -1,0 +1,146 @@
+"""How the ranks divide a model: DDP (every rank a full copy) or FSDP2 (every rank 1/world of it).
+
+In the manner of torchtitan's `parallelize.py`: plain functions applied to the model, never a subclass of it.
+
+* `ParallelDims.from_config(cfg, world_size)` checks, before any work, that the configured strategy fits the
+  job (torchtitan's `ParallelDims`: the product of the degrees is the world size) and refuses what does not,
+  naming the key, every problem at once.
+* `apply_fsdp(model, cfg, dist)` shards the model in place with PyTorch's `fully_shard`: one unit per transformer
+  layer (its weights are all-gathered just before it runs, and freed after it if `reshard_after_forward`) and the
+  root (embeddings, pooler, heads: the tied word-embedding/decoder weight stays inside one unit). Parameters become
+  `DTensor`s sharded on dim 0; gradients arrive reduce-scattered (averaged over ranks, as DDP's all-reduce) and
+  the optimizer steps only the local shard. A `MixedPrecisionPolicy` gathers and computes in bf16/fp16 while the
+  sharded master weights, gradients and optimizer state stay fp32.
+* `meta_copy` / `gather_full_model`: the trained model as one plain module again (every rank), for evaluation and
+  the HF export that `transformers` loads.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from bertrain.model.bert import BertLayer
+from bertrain.train.config import DistributedConfig, TrainerConfig, _check_all
+from bertrain.train.distributed import DistInfo
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """dp_replicate x dp_shard = world size: ddp replicates over every rank, fsdp shards over every rank."""
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig, world_size: int) -> "ParallelDims":
+        """The degrees for `cfg.distributed` on `world_size` ranks; a ValueError naming every key that does not fit."""
+        d, mode = cfg.distributed, cfg.precision.mode
+        fsdp = d.strategy == "fsdp"
+        checks = []
+        if fsdp and world_size < 2:
+            checks.append(lambda: _fail(
+                "config key 'distributed.strategy' is fsdp but the job has 1 rank: there is nothing to shard "
+                "across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N)"))
+        if fsdp and d.grad_compression != "none":
+            checks.append(lambda: _fail(
+                f"config key 'distributed.grad_compression' ({d.grad_compression}) is a DDP allreduce hook; under "
+                "fsdp set 'distributed.fsdp_reduce_dtype' instead (the reduce-scatter dtype)"))
+        if fsdp and "fp16" in (d.fsdp_param_dtype, d.fsdp_reduce_dtype) and mode != "fp16":
+            checks.append(lambda: _fail(
+                "config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling of "
+                f"'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16"))
+        if not fsdp:
+            default = DistributedConfig()
+            for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype"):
+                if getattr(d, key) != getattr(default, key):
+                    checks.append(lambda key=key: _fail(
+                        f"config key 'distributed.{key}' ({getattr(d, key)}) applies only with distributed.strategy "
+                        f"fsdp (it is {d.strategy}); remove it or set the strategy to fsdp"))
+        _check_all(checks)
+        return cls(1, world_size) if fsdp else cls(world_size, 1)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def mixed_precision_policy(cfg: TrainerConfig) -> MixedPrecisionPolicy:
+    """Gather/compute dtype and gradient-reduction dtype (the sharded fp32 master weights are never cast)."""
+    d = cfg.distributed
+    name = d.fsdp_param_dtype
+    if name == "auto":
+        name = cfg.precision.mode if cfg.precision.mode in ("bf16", "fp16") else "fp32"
+    param_dtype = DTYPES[name]
+    return MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
+                                reduce_dtype=DTYPES[d.fsdp_reduce_dtype])
+
+
+def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards separately: the encoder layers, in forward order."""
+    return [m for m in model.modules() if isinstance(m, BertLayer)]
+
+
+def apply_fsdp(model: nn.Module, cfg: TrainerConfig, dist: DistInfo) -> nn.Module:
+    """Shard `model` in place with FSDP2 over all ranks (see the module docstring); returns it.
+
+    Call before building the optimizer: `fully_shard` replaces the parameters with sharded ones."""
+    d = cfg.distributed
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard",))
+    policy = mixed_precision_policy(cfg)
+    layers = transformer_layers(model)
+    for i, layer in enumerate(layers):
+        # backward starts with the last layer: freeing its weights after forward would only gather them again
+        fully_shard(layer, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=d.reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=d.reshard_after_forward)
+    # FSDP2 warns once that the root returned a view (an in-place op on it would skip the backward hook): our
+    # losses read the outputs out of place, so the warning would only alarm users.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` (attributes, options, tokenizer files) whose parameters and buffers live on the meta
+    device: the structure to rebuild the full model in after training, without a second copy of the weights."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def gather_full_model(sharded: nn.Module, template: nn.Module, device: torch.device) -> nn.Module:
+    """The sharded model's weights, all-gathered on every rank into `template` (from `meta_copy`), a plain module.
+
+    Every rank takes part (collective). Every rank gets the model because evaluation after fine-tuning runs on
+    all of them; rank 0 alone writes the HF export from it."""
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+    model = template.to_empty(device=device)
+    model.load_state_dict(full)
+    state_keys = set(full)
+    for name, buffer in sharded.named_buffers():  # non-persistent buffers are not in the state dict
+        if name not in state_keys:
+            model.get_buffer(name).copy_(buffer)
+    model.train(sharded.training)
+    return model
