@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--null-score-diff-threshold", type=float, default=0.0,
                         help="SQuAD v2.0 models: answer '' when score(null) - score(best span) exceeds this")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
+                        help="what runs the model: torch (a model folder) or onnxruntime (a folder written by "
+                             "bertrain export --format onnx; pip install \"bertrain[deploy]\"); the same "
+                             "tokenisation and post-processing either way")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     p = Predictor(args.model, task=args.task, device=args.device, batch_size=args.batch_size,
-                  max_seq_length=args.max_seq_length)
+                  max_seq_length=args.max_seq_length, backend=args.backend)
     kwargs = {"null_score_diff_threshold": args.null_score_diff_threshold} if p.task == "qa" else {}
 
     if args.question is not None or args.context is not None or args.text is not None:
@@ -109,5 +113,5 @@ def run(args: argparse.Namespace) -> int:
             atomic_write_text(args.output, "".join(x + "\n" for x in lines))
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} examples in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
-          f"batch size {args.batch_size}, {p.task})", file=sys.stderr)
+          f"batch size {args.batch_size}, {p.task}, {args.backend})", file=sys.stderr)
     return 0

@@ -7,6 +7,10 @@
 The model folder is what `bertrain finetune` exports (`OUTPUT/final`, HF format) or any HF folder with a QA or
 classification head. `task.json`, written beside the weights by the fine-tuning run, supplies the label names and
 the feature settings; without it, the head in config.json decides the task and labels are the class indices.
+
+The forward pass is a backend (`bertrain.deploy.backends`): PyTorch on the model folder, or ONNX Runtime on the folder
+`bertrain export --format onnx` writes (`Predictor(onnx_dir, backend="onnxruntime")`). Tokenisation, batching and
+post-processing are this module's, one code path for every backend.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, Iterable, Iterator, TextIO
 import numpy as np
 import torch
 
+from bertrain.deploy.backends import INPUT_NAMES, TASK_OUTPUTS, open_backend
 from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
 from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
@@ -47,7 +52,7 @@ class Predictor:
     """A loaded model plus its tokenizer, for batched QA or classification predictions."""
 
     def __init__(self, model_dir: str | os.PathLike, task: str | None = None, device: str | torch.device = "cpu",
-                 batch_size: int = 32, max_seq_length: int | None = None) -> None:
+                 batch_size: int = 32, max_seq_length: int | None = None, backend: str = "torch") -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
@@ -65,15 +70,10 @@ class Predictor:
                              "pass task='qa' or 'classification'")
         self.task = task
         self.meta = meta
-        self.model = (BertForQuestionAnswering if task == "qa" else BertForSequenceClassification).from_pretrained(
-            self.model_dir)
-        untrained = self.model.loading_info.get("initialized") or []
-        if untrained:  # predictions from a randomly initialised head are noise: refuse rather than print them
-            raise ValueError(f"{self.model_dir} is a {cls.__name__} folder without trained weights for the "
-                             f"{', '.join(untrained)} a {task} prediction needs: give a model fine-tuned for {task} "
-                             f"(bertrain finetune {'squad' if task == 'qa' else 'glue'} writes OUTPUT/final)")
         self.device = torch.device(device)
-        self.model.to(self.device).eval()
+        # The forward pass only: tokenisation above it and post-processing below it are this class's, the same
+        # for every backend.
+        self.backend = open_backend(backend, self.model_dir, task, self.device)
         self.tok = load_task_tokenizer(self.model_dir)
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length or int(meta.get("max_seq_length", 384 if task == "qa" else 128))
@@ -83,18 +83,18 @@ class Predictor:
 
     # ------------------------------------------------------------------------------------------- forward
 
-    @torch.no_grad()
-    def _forward(self, feats: dict[str, np.ndarray], pick) -> list[np.ndarray]:
+    def _forward(self, feats: dict[str, np.ndarray], names: tuple[str, ...]) -> list[np.ndarray]:
+        """The backend's outputs `names` for every feature row, batch by batch, each batch trimmed to its longest
+        row; per-token outputs are padded back to the features' length with -10000 (never a best span)."""
         outs: list[list[np.ndarray]] = []
         L = feats["input_ids"].shape[1]
         for s in range(0, len(feats["input_ids"]), self.batch_size):
             sl = slice(s, s + self.batch_size)
             length = int(feats["attention_mask"][sl].sum(axis=1).max())  # trim padding columns
-            batch = {k: torch.from_numpy(np.ascontiguousarray(feats[k][sl, :length])).to(self.device)
-                     for k in ("input_ids", "token_type_ids", "attention_mask")}
+            out = self.backend.run({k: feats[k][sl, :length] for k in INPUT_NAMES})
             res = []
-            for t in pick(self.model(**batch)):
-                a = t.float().cpu().numpy()
+            for name in names:
+                a = out[name]
                 if a.ndim == 2 and a.shape[1] == length and length < L:
                     a = np.concatenate([a, np.full((a.shape[0], L - length), -10000.0, np.float32)], axis=1)
                 res.append(a)
@@ -126,7 +126,7 @@ class Predictor:
         fcfg = SquadFeatureConfig(self.max_seq_length, int(self.meta.get("doc_stride", 128)),
                                   int(self.meta.get("max_query_length", 64)))
         feats = build_features(examples, self.tok, fcfg, is_training=False)
-        start, end = self._forward(feats, lambda o: (o.start_logits, o.end_logits))
+        start, end = self._forward(feats, TASK_OUTPUTS["qa"])
         pcfg = SquadPostprocessConfig(n_best_size, max_answer_length, null_score_diff_threshold)
         preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg,
                                                           self.version_2_with_negative)
@@ -172,7 +172,7 @@ class Predictor:
         feats = {"input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
                  "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
                  "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64)}
-        (logits,) = self._forward(feats, lambda o: (o.logits,))
+        (logits,) = self._forward(feats, TASK_OUTPUTS["classification"])
         self._count(len(items), time.perf_counter() - t0)
         out = []
         for i, row in enumerate(logits):

@@ -1,0 +1,32 @@
+"""Deployment: what a fine-tuned model becomes after training.
+
+* `onnx_export.py`  `bertrain export --format onnx`: the padded inference graph through `torch.onnx.export`
+                    (dynamic batch and sequence axes), verified against PyTorch on real tokenised text, written
+                    beside its tokenizer files and `onnx.json`; optionally as a Triton model repository.
+* `backends.py`     the one small interface `Predictor` runs (`TorchBackend`, `OnnxRuntimeBackend`): numpy
+                    features in, named numpy outputs back. Tokenisation and post-processing stay in
+                    `bertrain.tasks.predict`, shared by every backend.
+* `server.py`       `bertrain serve`: FastAPI + uvicorn, `POST /predict`, `GET /health`, micro-batching of
+                    concurrent requests, a request size limit, graceful shutdown.
+* `loadtest.py`     concurrent clients against a running server (benchmarks/serve_load.py, tests).
+
+The packages (onnx, onnxruntime, fastapi, uvicorn, httpx) are the optional extra `bertrain[deploy]`;
+`require` turns a missing one into a one-line error naming the extra.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from bertrain.utils.errors import UserError
+
+EXTRA = 'pip install "bertrain[deploy]"'
+
+
+def require(module: str, what: str) -> ModuleType:
+    """Import an optional package of the deploy extra, or raise a `UserError` (exit 2) that says how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(f"{what} needs the Python package {module.split('.')[0]!r}, which is not installed "
+                        f"({e}): {EXTRA}") from None
