@@ -281,8 +281,9 @@ def build_stages(recipe: Recipe) -> list[Stage]:
             return {"tasks": len(results["tasks"])}
 
         stages.append(Stage("evaluate", "collect the dev-set results: mean and spread over seeds, baselines",
-                            False, tuple(finetune_names), {"tasks": [to_dict(t) for t in recipe.finetune],
-                                                           "paper_model": recipe.report.paper_model}, {},
+                            False, tuple(finetune_names),
+                            {"tasks": [[t.name, t.kind, t.seeds, t.random_init] for t in recipe.finetune],
+                             "paper_model": recipe.report.paper_model}, {},
                             ("results.json",), eval_work))
 
     from bertrain.pipeline.report import write_report
@@ -291,6 +292,7 @@ def build_stages(recipe: Recipe) -> list[Stage]:
         write_report(recipe, run, stages, stage.folder)
         return {}
 
+    # The report shows the whole recipe and the run folder: any change to them (even the log interval) redoes it.
     stages.append(Stage("report", "write report.md and report.html", False, tuple(s.name for s in stages),
                         {"recipe": recipe_dict(recipe)}, {}, ("report.md", "report.html"), report_work))
 
@@ -391,7 +393,13 @@ def plan(stages: list[Stage]) -> dict[str, Decision]:
 
 
 def missing_inputs(stages: list[Stage]) -> list[str]:
-    return [f"{stage.name}: {name}" for stage in stages for name, ident in stage.inputs.items() if ident == "missing"]
+    """Each absent external input, with the stages that need it."""
+    need: dict[str, list[str]] = {}
+    for stage in stages:
+        for name, ident in stage.inputs.items():
+            if ident == "missing":
+                need.setdefault(name, []).append(stage.name)
+    return [f"{name} (for {', '.join(names)})" for name, names in need.items()]
 
 
 def format_plan(stages: list[Stage], decisions: dict[str, Decision], run_dir: Path) -> str:

@@ -1,0 +1,159 @@
+"""`bertrain run`: recipes load strictly (errors name the recipe key), every shipped recipe builds its stages and
+dry-runs, and the stage hashes change exactly when a stage's result can."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bertrain.cli import main
+from bertrain.pipeline.recipe import load_recipe
+from bertrain.pipeline.stages import build_stages, plan
+from bertrain.utils.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "configs" / "recipes").glob("*.yaml"))
+DEFAULT = REPO / "configs" / "recipes" / "pydoc-small.yaml"
+
+
+def stage_names(recipe) -> list[str]:
+    return [s.name for s in build_stages(recipe)]
+
+
+def test_shipped_recipes_are_found():
+    assert {p.name for p in RECIPES} >= {"pydoc-small.yaml", "bert-base.yaml", "bert-large.yaml"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_dry_runs(path, tmp_path, capsys):
+    out = tmp_path / "run"
+    recipe = load_recipe(path, [f"output_dir={out}"])
+    names = stage_names(recipe)
+    assert names[:4] == ["vocab", "prepare", "pretrain-phase1", "pretrain-phase2"]
+    assert names[-2:] == ["evaluate", "report"]
+    assert main(["run", str(path), "--dry-run", "--set", f"output_dir={out}"]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(names)} stages in {out} ({len(names)} to run)" in text
+    assert all(f"  {n} " in text for n in names)
+    assert not out.exists()  # a dry run does nothing
+
+
+@pytest.mark.parametrize("size, layers, paper", [("base", 12, 0.889), ("large", 24, 0.893)])
+def test_real_recipes_follow_nvidia_and_compare_with_the_paper(size, layers, paper):
+    recipe = load_recipe(REPO / "configs" / "recipes" / f"bert-{size}.yaml")
+    stages = {s.name: s for s in build_stages(recipe)}
+    p1, p2 = stages["pretrain-phase1"].config, stages["pretrain-phase2"].config
+    assert (p1.sample.max_seq_length, p1.train.steps, p1.train.global_batch_size, p1.optim.lr) == (128, 7038, 65536, 6e-3)
+    assert (p2.sample.max_seq_length, p2.train.steps, p2.train.global_batch_size, p2.optim.lr) == (512, 1563, 32768, 4e-3)
+    assert p1.optim.name == p2.optim.name == "nvlamb" and p1.model.preset == size
+    assert p2.model.init.endswith("pretrain-phase1/final")
+    assert stages["finetune-squad1.1-pretrained-s42"].config.data.train_file.endswith("train-v1.1.json")
+    glue = {s.config.data.task for s in stages.values() if s.name.startswith("finetune-") and "squad" not in s.name}
+    assert glue == {"mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte"}
+    from bertrain.pipeline.evaluate import BERT_PAPER
+    assert BERT_PAPER[(recipe.report.paper_model, "mrpc", "f1")] == paper
+    from bertrain.model.bert import BertConfig
+    assert BertConfig.from_preset(size).num_hidden_layers == layers
+
+
+def test_default_recipe_compares_pretrained_with_random_init_over_seeds():
+    recipe = load_recipe(DEFAULT)
+    names = stage_names(recipe)
+    assert "data-pydoc-topics" in names
+    for init in ("pretrained", "random"):
+        assert [n for n in names if n.startswith(f"finetune-pydoc-topics-{init}-")] == [
+            f"finetune-pydoc-topics-{init}-s{s}" for s in (1, 2, 3)]
+    stages = {s.name: s for s in build_stages(recipe)}
+    assert stages["pretrain-phase1"].config.sample.max_seq_length == 128
+    assert stages["pretrain-phase2"].config.sample.max_seq_length > 128
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def base_data() -> dict:
+    return yaml.safe_load(DEFAULT.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("edit, overrides, message", [
+    (lambda d: d.update(finetuen=[]), [], "recipe key 'finetuen' — did you mean 'finetune'?"),
+    (lambda d: d["phase1"].setdefault("optim", {}).update(lrr=1.0), [], "recipe key 'phase1.optim.lrr'"),
+    (lambda d: None, ["pretrain.optim.lr=fast"], "recipe key 'pretrain.optim.lr'"),
+    (lambda d: None, ["phase2.train.steps=-3"], "recipe key 'phase2.train.steps'"),
+    (lambda d: d["pretrain"].update(output_dir="x"), [], "recipe key 'pretrain.output_dir' is set by bertrain run"),
+    (lambda d: d["phase2"].setdefault("model", {}).update(init="x"), [], "recipe key 'phase2.model.init'"),
+    (lambda d: None, ["finetune[0].config.init=x"], "recipe key 'finetune[0].config.init'"),
+    (lambda d: None, ["finetune[0].config.optim.name=sgd"], "recipe key 'finetune[0].config.optim.name'"),
+    (lambda d: None, ["finetune[0].seeds=[1,1]"], "seeds"),
+    (lambda d: None, ["finetune[0].kind=mnist"], "recipe key 'finetune[0].kind'"),
+    (lambda d: d["finetune"].append(dict(d["finetune"][0])), [], "task name(s) pydoc-topics used twice"),
+    (lambda d: d["data"].update(input=[]), [], "recipe key 'data.input'"),
+    (lambda d: d["data"]["prepare"].update(masking="sometimes"), [], "recipe key 'data.prepare.masking'"),
+    (lambda d: None, ["phase1.train.steps"], "expected KEY=VALUE"),
+    (lambda d: None, ["finetune[3].seeds=[1]"], "1 finetune task"),
+])
+def test_bad_recipes_are_refused_naming_the_key_before_any_work(tmp_path, capsys, edit, overrides, message):
+    data = base_data()
+    data["output_dir"] = str(tmp_path / "run")
+    edit(data)
+    path = write(tmp_path, data)
+    with pytest.raises(UserError, match=None) as e:
+        build_stages(load_recipe(path, overrides))
+    assert message in str(e.value)
+    argv = ["run", str(path)] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_inputs_refuse_the_run_but_not_the_dry_run(tmp_path, capsys):
+    data = base_data()
+    data.update(output_dir=str(tmp_path / "run"))
+    data["data"]["input"] = [str(tmp_path / "nowhere.txt")]
+    path = write(tmp_path, data)
+    assert main(["run", str(path), "--dry-run"]) == 0
+    assert f"data.input: {tmp_path / 'nowhere.txt'} (for vocab, prepare)" in capsys.readouterr().out
+    assert main(["run", str(path)]) == 2
+    assert "missing inputs" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def hashes(overrides: list[str], tmp_path: Path) -> dict[str, str]:
+    recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path / 'run'}"] + overrides)
+    return {s.name: s.hash for s in build_stages(recipe)}
+
+
+def test_hashes_change_with_what_changes_a_result_and_everything_after_it(tmp_path):
+    base = hashes([], tmp_path)
+    assert base == hashes([], tmp_path)  # deterministic
+    # keys that cannot change a result (logging, checkpoint interval), and moving the run folder, redo nothing but
+    # the report (which shows the recipe and the folder)
+    same = hashes(["pretrain.train.log_interval=5", "phase1.checkpoint.save_interval=7",
+                   "finetune[0].config.train.log_interval=3"], tmp_path)
+    moved = hashes([f"output_dir={tmp_path / 'elsewhere'}"], tmp_path)
+    for other in (same, moved):
+        assert {n for n in base if other[n] != base[n]} == {"report"}
+    names = list(base)
+    for override, first in (("phase2.train.steps=7", "pretrain-phase2"), ("data.vocab_size=4000", "vocab"),
+                            ("phase1.optim.lr=0.002", "pretrain-phase1")):
+        changed = hashes([override], tmp_path)
+        redone = {n for n in names if changed[n] != base[n]}
+        # the stage itself and every stage downstream of it; random init does not depend on pretraining
+        after = names[names.index(first):]
+        expect = {n for n in after if "random" not in n and n != "data-pydoc-topics"}
+        if first == "vocab":
+            expect |= {n for n in names if "random" in n} | {"prepare"}
+        assert redone == expect, (override, sorted(redone ^ expect))
+    seeds = hashes(["finetune[0].seeds=[1,2,4]"], tmp_path)
+    assert seeds["finetune-pydoc-topics-pretrained-s1"] == base["finetune-pydoc-topics-pretrained-s1"]
+    assert seeds["evaluate"] != base["evaluate"]
+
+
+def test_dry_run_on_a_fresh_folder_runs_everything(tmp_path):
+    recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path / 'run'}"])
+    decisions = plan(build_stages(recipe))
+    assert {d.action for d in decisions.values()} == {"run"}
