@@ -1,0 +1,198 @@
+"""Load against a running `bertrain serve`: concurrent clients, every answer checked against offline predictions.
+
+Used by benchmarks/serve_load.py (60 s, numbers in BENCHMARKS.md) and by tests/test_deploy_serve.py (seconds).
+Clients only ever talk to the URL they are given (the benchmark starts the server on 127.0.0.1) and stop at a
+request count and a time limit, whichever comes first.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from bertrain.deploy import require
+
+SCORE_TOLERANCE = 1e-4
+"""Largest difference of a score (probability) between a served answer and the offline one: batches of other
+sizes and lengths change float rounding, never more."""
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+def mrpc_items(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
+    """Sentence pairs of a GLUE MRPC TSV (e.g. ../shared/data/glue/MRPC/dev.tsv) as classification items."""
+    from bertrain.tasks.glue import get_task, read_glue_tsv
+
+    task = get_task("mrpc")
+    examples = read_glue_tsv(path, task, task.dev)[:limit]
+    return [{"id": str(i), "text": e.text_a, "text_pair": e.text_b} for i, e in enumerate(examples)]
+
+
+def squad_items(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
+    """Questions of a SQuAD-format JSON file (e.g. ../shared/data/squad/xquad-en-part1.json) as QA items."""
+    from bertrain.tasks.squad import read_squad
+
+    return [{"id": e.qid, "question": e.question, "context": e.context} for e in read_squad(path)[:limit]]
+
+
+def seeded_head_model(encoder_dir: str | os.PathLike, task: str, out: str | os.PathLike, seed: int = 0) -> Path:
+    """A model folder: the encoder of `encoder_dir` (e.g. the real MiniLM) plus a `task` head initialised with
+    `seed` and saved, so it loads as a model with trained weights. Its answers are not meaningful; for comparing
+    backends and serving they are as good as any (each one is checked against the same model offline)."""
+    import torch
+
+    from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+
+    cls = BertForQuestionAnswering if task == "qa" else BertForSequenceClassification
+    torch.manual_seed(seed)
+    model = cls.from_pretrained(encoder_dir)
+    model.save_pretrained(out)
+    return Path(out)
+
+
+def same_prediction(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """The same answer (QA: text and span) or label, and scores within `SCORE_TOLERANCE`."""
+    keys = ("answer", "start", "end") if "answer" in want else ("label",)
+    if any(got.get(k) != want.get(k) for k in keys):
+        return False
+    return abs(float(got["score"]) - float(want["score"])) <= SCORE_TOLERANCE
+
+
+# ----------------------------------------------------------------------------------------------- the server
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def running_server(model: str | os.PathLike, *options: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """`bertrain serve MODEL --host 127.0.0.1 --port 0 OPTIONS` in a subprocess until the block ends (then SIGTERM,
+    and SIGKILL if it has not exited 60 s later). Yields the process and its URL."""
+    cmd = [sys.executable, "-m", "bertrain", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *options]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    server = ServerProcess(proc, "")
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.url:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bertrain serve exited ({proc.wait()}) before listening:\n" + "".join(server.lines))
+            server.lines.append(line)
+            if " on http://" in line:
+                server.url = line.split(" on ", 1)[1].split()[0]
+            elif time.monotonic() > deadline:
+                raise RuntimeError("bertrain serve did not start in time:\n" + "".join(server.lines))
+        _wait_healthy(server.url, deadline)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        server.lines.extend(proc.stdout.readlines())
+        proc.stdout.close()
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    httpx = require("httpx", "the load test")
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health did not answer in time")
+        time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------------------------- the load
+
+@dataclass
+class LoadReport:
+    clients: int
+    seconds: float
+    requests: int = 0
+    answered: int = 0
+    lost: int = 0                      # no answer, or not 200
+    wrong: int = 0                     # answered, but not the offline prediction
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    max_score_diff: float = 0.0
+    errors: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.answered / self.seconds if self.seconds else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {"clients": self.clients, "seconds": round(self.seconds, 2), "requests": self.requests,
+                "answered": self.answered, "lost": self.lost, "wrong": self.wrong,
+                "requests_per_s": round(self.requests_per_s, 2), "p50_ms": round(self.percentile_ms(50), 1),
+                "p99_ms": round(self.percentile_ms(99), 1), "max_score_diff": self.max_score_diff,
+                "errors": self.errors[:5]}
+
+
+def run_load(url: str, items: list[dict[str, Any]], expected: list[dict[str, Any]], clients: int = 8,
+             duration_s: float = 60.0, max_requests: int = 100_000, items_per_request: int = 1,
+             timeout_s: float = 120.0) -> LoadReport:
+    """`clients` concurrent clients POST /predict in a loop, each request `items_per_request` consecutive items of
+    `items` (cycling), until `duration_s` has passed or `max_requests` were sent. Every answer is compared with
+    `expected` (the offline predictions of `items`, by position)."""
+    httpx = require("httpx", "the load test")
+    assert len(items) == len(expected) and items
+    report = LoadReport(clients, 0.0)
+    counter = iter(range(max_requests))
+
+    async def client(http: Any, stop_at: float) -> None:
+        for k in counter:
+            if time.monotonic() >= stop_at:
+                return
+            idx = [(k * items_per_request + j) % len(items) for j in range(items_per_request)]
+            report.requests += 1
+            t0 = time.perf_counter()
+            try:
+                r = await http.post(f"{url}/predict", json=[items[i] for i in idx])
+            except httpx.HTTPError as e:
+                report.lost += 1
+                report.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            report.latencies_ms.append(1000 * (time.perf_counter() - t0))
+            if r.status_code != 200:
+                report.lost += 1
+                report.errors.append(f"{r.status_code}: {r.text[:200]}")
+                continue
+            report.answered += 1
+            got = r.json()
+            ok = len(got) == len(idx)
+            for rec, i in zip(got, idx):
+                ok = ok and rec.get("id") == items[i]["id"] and same_prediction(rec, expected[i])
+                report.max_score_diff = max(report.max_score_diff, abs(rec["score"] - expected[i]["score"]))
+            report.wrong += not ok
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+            t0 = time.monotonic()
+            await asyncio.gather(*(client(http, t0 + duration_s) for _ in range(clients)))
+            report.seconds = time.monotonic() - t0
+
+    asyncio.run(main())
+    return report
