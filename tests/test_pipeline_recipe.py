@@ -157,3 +157,39 @@ def test_dry_run_on_a_fresh_folder_runs_everything(tmp_path):
     recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path / 'run'}"])
     decisions = plan(build_stages(recipe))
     assert {d.action for d in decisions.values()} == {"run"}
+
+
+def test_evaluate_collects_seeds_baselines_and_the_papers_figure(tmp_path):
+    import json
+
+    from bertrain.pipeline.evaluate import summarize
+    data = base_data()
+    data.update(output_dir=str(tmp_path), report={"paper_model": "base"})
+    data["finetune"] = [{"name": "mrpc", "kind": "glue", "seeds": [1, 2], "random_init": True,
+                         "config": {"data": {"task": "MRPC", "data_dir": str(tmp_path)}}},
+                        {"name": "sq", "kind": "squad", "seeds": [7],
+                         "config": {"data": {"train_file": "t.json", "dev_file": "d.json"}}}]
+    recipe = load_recipe(write(tmp_path, data))
+    scores = {("pretrained", 1): 0.80, ("pretrained", 2): 0.84, ("random", 1): 0.70, ("random", 2): 0.72}
+    for (init, seed), f1 in scores.items():
+        out = tmp_path / f"finetune-mrpc-{init}-s{seed}" / "out"
+        out.mkdir(parents=True)
+        (out / "eval_results.json").write_text(json.dumps({"task": "mrpc", "train_seconds": seed, "dev": {
+            "accuracy": f1 - 0.1, "f1": f1, "acc_and_f1": 0.0, "examples": 408, "majority_baseline_accuracy": 0.684}}))
+    out = tmp_path / "finetune-sq-pretrained-s7" / "out"
+    out.mkdir(parents=True)
+    (out / "eval_results.json").write_text(json.dumps({"task": "squad", "version": "1.1", "exact_match": 70.0,
+                                                       "f1": 80.0, "eval_examples": 632}))
+    mrpc, squad = summarize(recipe, tmp_path)["tasks"]
+    f1, acc = mrpc["metrics"]
+    assert (f1["split"], f1["metric"], f1["paper"], f1["majority_baseline"], f1["examples"]) == ("dev", "f1", 0.889,
+                                                                                                None, 408)
+    assert acc["metric"] == "accuracy" and acc["majority_baseline"] == 0.684 and acc["paper"] is None
+    assert f1["by_init"]["pretrained"]["seeds"] == {"1": 0.80, "2": 0.84}
+    assert f1["by_init"]["pretrained"]["mean"] == pytest.approx(0.82)
+    assert f1["by_init"]["pretrained"]["std"] == pytest.approx(0.028284, rel=1e-4)  # sample sd of two seeds
+    assert f1["by_init"]["random"]["max"] == 0.72
+    em, sf1 = squad["metrics"]
+    assert (em["split"], em["metric"], em["paper"], sf1["paper"], em["examples"]) == ("squad1.1", "exact_match", 80.8,
+                                                                                     88.5, 632)
+    assert set(em["by_init"]) == {"pretrained"}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bertrain.pipeline.recipe import Recipe
+from bertrain.tasks.glue import get_task
 
 # The figures of Devlin et al. 2019 (BERT), in the units our metrics use (GLUE: fractions; SQuAD: percent).
 # GLUE: Table 1, the GLUE server's TEST sets (we score dev: a dev score is usually a point or two higher).
@@ -49,12 +50,16 @@ def _scores(kind: str, results: dict[str, Any]) -> dict[tuple[str, str], float]:
         return {(split, k): float(results[k]) for k in keys if k in results}
     out = {}
     for split, m in results.items():
-        if isinstance(m, dict) and "examples" in m:
-            name = results["task"] if split == "dev" else split
+        if isinstance(m, dict) and "examples" in m:  # an evaluation split: dev (MNLI: mnli-m, mnli-mm)
             for metric in GLUE_METRICS.get(results["task"], ("accuracy",)):
                 if metric in m:
-                    out[(name, metric)] = float(m[metric])
+                    out[(split, metric)] = float(m[metric])
     return out
+
+
+def _paper_key(kind: str, task: str, split: str) -> str:
+    """The task/split name of BERT_PAPER: the GLUE task for its dev split, else the split (mnli-m, squad1.1)."""
+    return task if kind == "glue" and split == "dev" else split
 
 
 def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -72,15 +77,16 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
                 for key, value in _scores(task.kind, results).items():
                     per.setdefault(key, {}).setdefault(init, {})[str(seed)] = value
                 for split, m in results.items():
-                    if isinstance(m, dict) and "majority_baseline_accuracy" in m:
-                        name = results["task"] if split == "dev" else split
-                        baselines[name] = m["majority_baseline_accuracy"]
-                        examples[name] = m.get("examples")
+                    if isinstance(m, dict) and "examples" in m:
+                        examples[split] = m["examples"]
+                        if "majority_baseline_accuracy" in m:
+                            baselines[split] = m["majority_baseline_accuracy"]
                 if task.kind == "squad":
                     examples[f"squad{results.get('version', '1.1')}"] = results.get("eval_examples")
         metrics = []
         for (split, metric), by_init in per.items():
-            paper = BERT_PAPER.get((recipe.report.paper_model or "", split, metric))
+            glue_task = get_task((task.config.get("data") or {}).get("task", "")).name if task.kind == "glue" else ""
+            paper = BERT_PAPER.get((recipe.report.paper_model or "", _paper_key(task.kind, glue_task, split), metric))
             metrics.append({"split": split, "metric": metric, "examples": examples.get(split),
                             "by_init": {init: _spread(v) for init, v in by_init.items()},
                             "majority_baseline": baselines.get(split) if metric == "accuracy" else None,

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import platform
-import re
 import sys
 import time
 from importlib import metadata
@@ -132,9 +131,8 @@ def _svg(fig: Any) -> str:
     plt.close(fig)
     text = buf.getvalue()
     text = text[text.index("<svg"):]  # drop the XML prologue and doctype: the page embeds the element
-    # width/height in pt make the SVG fixed-size; a viewBox plus max-width lets the page scale it
-    return re.sub(r'<svg([^>]*?) width="[^"]*" height="[^"]*"', r'<svg\1 style="max-width:100%;height:auto"',
-                  text, count=1)
+    # its natural size (width/height in pt), shrunk to the page when narrower (the viewBox keeps the aspect)
+    return text.replace("<svg ", '<svg style="max-width:100%;height:auto" ', 1)
 
 
 def _pyplot():
@@ -154,7 +152,8 @@ def curves_svg(rows: list[dict[str, Any]], title: str) -> str:
     for ax, (key, label) in zip(axes.flat, CURVES):
         pts = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, color="#1f77b4")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, color="#1f77b4",
+                    marker="o" if len(pts) < 20 else None, ms=3)  # a short run's few points stay visible
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set_title(label, fontsize=10)
@@ -177,22 +176,23 @@ def results_svg(task: dict[str, Any]) -> str:
     """Each seed's score, pretrained vs random initialisation, with the majority baseline and the paper's figure."""
     plt = _pyplot()
     metrics = task["metrics"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.5, 3.2 * len(metrics)), 3.6), squeeze=False)
+    scale = 1.0 if task["kind"] == "squad" else 100.0  # the table's units: percent
+    fig, axes = plt.subplots(1, len(metrics), figsize=(max(6.0, 4.0 * len(metrics)), 4.0), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         inits = list(m["by_init"])
         for x, init in enumerate(inits):
             s = m["by_init"][init]
-            vals = list(s["seeds"].values())
+            vals = [scale * v for v in s["seeds"].values()]
             colour = INIT_COLOURS.get(init, "grey")
-            ax.bar(x, s["mean"], width=0.6, color=colour, alpha=0.35)
-            ax.errorbar(x, s["mean"], yerr=s["std"], color=colour, capsize=6, lw=1.5)
+            ax.bar(x, scale * s["mean"], width=0.6, color=colour, alpha=0.35)
+            ax.errorbar(x, scale * s["mean"], yerr=scale * s["std"], color=colour, capsize=6, lw=1.5)
             ax.scatter([x] * len(vals), vals, color=colour, zorder=3, s=18)
         if m.get("majority_baseline") is not None:
-            ax.axhline(m["majority_baseline"], color="grey", ls="--", lw=1, label="majority class")
+            ax.axhline(scale * m["majority_baseline"], color="grey", ls="--", lw=1, label="majority class")
         if m.get("paper") is not None:
-            ax.axhline(m["paper"], color="green", ls=":", lw=1.5, label=f"BERT-{m['paper_model']} (paper)")
+            ax.axhline(scale * m["paper"], color="green", ls=":", lw=1.5, label=f"BERT-{m['paper_model']} (paper)")
         ax.set_xticks(range(len(inits)), [f"{i}\n({len(m['by_init'][i]['seeds'])} seeds)" for i in inits])
-        ax.set_title(f"{task['name']}: {m['split']} {m['metric']}", fontsize=10)
+        ax.set_title(f"{task['name']}: {m['metric']} ({m['split']})", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
         if m.get("majority_baseline") is not None or m.get("paper") is not None:
@@ -232,15 +232,16 @@ def _verdict(results: dict[str, Any]) -> list[str]:
         if not m or "pretrained" not in m["by_init"]:
             continue
         p = m["by_init"]["pretrained"]
-        line = f"{task['name']} ({m['split']} {m['metric']}): pretrained {p['mean']:.4g} ± {p['std']:.2g}"
+        pct = task["kind"] != "squad"
+        line = f"{task['name']} ({m['split']} {m['metric']}): pretrained {_fmt(p['mean'], pct)} ± {_fmt(p['std'], pct)}"
         r = m["by_init"].get("random")
         if r is not None:
             worst_p, best_r = p["min"], r["max"]
-            line += (f" vs random init {r['mean']:.4g} ± {r['std']:.2g} — "
+            line += (f" vs random init {_fmt(r['mean'], pct)} ± {_fmt(r['std'], pct)} — "
                      + ("pretraining helps: every pretrained seed beats every random-init seed"
                         if worst_p > best_r else "pretraining does not clearly help (the seeds overlap)"))
         if m.get("majority_baseline") is not None:
-            line += f"; majority class {m['majority_baseline']:.4g}"
+            line += f"; majority class {_fmt(m['majority_baseline'], pct)}"
         out.append(line)
     return out
 
@@ -328,7 +329,7 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
              "th{background:#f2f4f7}tr:nth-child(even) td{background:#fafbfc}pre{background:#f6f8fa;padding:1em;"
              "overflow:auto;font-size:.8em;border:1px solid #e1e4e8}figure{margin:1em 0}figcaption{color:#555;"
              "font-size:.9em}.meta{color:#555}.row{display:flex;flex-wrap:wrap;align-items:flex-start}"
-             "code{background:#f2f4f7;padding:0 .2em}")
+             "code{background:#f2f4f7;padding:0 .2em}td:first-child,td:last-child{white-space:nowrap}")
     page = (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{e(title)}</title>"
             f"<meta name=viewport content='width=device-width, initial-scale=1'><style>{style}</style></head>"
             f"<body>{''.join(parts)}</body></html>\n")

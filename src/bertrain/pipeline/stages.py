@@ -338,13 +338,19 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _short(v: Any) -> str:
+    """A value in a one-line reason (a whole section would flood the dry-run)."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     """A short account of how two hash parts differ: the first keys, inputs or upstream stages."""
     bits = []
     a, b = old.get("settings", {}), new.get("settings", {})
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    bits += [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:3]] + ([f"{len(keys) - 3} more keys"]
-                                                                          if len(keys) > 3 else [])
+    bits += [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3]] + (
+        [f"{len(keys) - 3} more keys"] if len(keys) > 3 else [])
     ia, ib = old.get("inputs", {}), new.get("inputs", {})
     bits += [f"input {k} changed" for k in sorted(set(ia) | set(ib)) if ia.get(k) != ib.get(k)]
     ua, ub = old.get("upstream", {}), new.get("upstream", {})
@@ -456,6 +462,20 @@ def _rank0(what: str, fn: Callable[[], Any], dist: DistInfo) -> Any:
     return broadcast_object(value)
 
 
+def _decide_on_rank0(stage: Stage, decisions: dict[str, Decision], dist: DistInfo) -> Decision:
+    """Rank 0 decides (it owns the folder) and every rank learns the decision — or the error, so none waits."""
+    outcome: tuple[Decision | None, BaseException | None] = (None, None)
+    if dist.is_main:
+        try:
+            outcome = (decide(stage, decisions), None)
+        except Exception as e:
+            outcome = (None, e)
+    decision, error = broadcast_object(outcome)
+    if error is not None:
+        raise error
+    return decision
+
+
 def _begin(stage: Stage, decision: Decision) -> None:
     """Rank 0: make the stage folder this attempt's (move a different one aside) and record the hash."""
     if decision.action == "redo" and stage.folder.exists():
@@ -493,7 +513,7 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
         if dist.is_main:
             atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
         for stage in stages:
-            decision = broadcast_object(decide(stage, decisions) if dist.is_main else None)
+            decision = _decide_on_rank0(stage, decisions, dist)
             decisions[stage.name] = decision
             if dist.is_main:
                 log.info("stage %s: %s (%s)", stage.name, decision.action, decision.reason)
