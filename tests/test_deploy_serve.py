@@ -63,8 +63,9 @@ def test_micro_batcher_groups_concurrent_requests_and_never_splits_one():
 
 
 def test_micro_batcher_isolates_a_failing_request():
-    ran, reqs, out, _ = _batches([1, 1, 1], max_batch_size=8, fail_on="1.0")
+    ran, reqs, out, stats = _batches([1, 1, 1], max_batch_size=8, fail_on="1.0")
     assert isinstance(out[1], ValueError) and "bad item 1.0" in str(out[1])
+    assert stats.batches == 1 and stats.requests == 3  # the retries alone are not counted as batches
     assert out[0] == [{"echo": "0.0"}] and out[2] == [{"echo": "2.0"}]
     assert ran[0] == ["0.0", "1.0", "2.0"] and sorted(map(tuple, ran[1:])) == [("0.0",), ("1.0",), ("2.0",)]
 

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "regression or encoder models; needs pip install \"bertrain[deploy]\")")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: 18)")
     parser.add_argument("--triton", action="store_true",
-                        help="onnx: write a Triton model repository: OUT_DIR/NAME/config.pbtxt, OUT_DIR/NAME/1/model.onnx")
+                        help="onnx: write a Triton model repository: OUT_DIR/NAME/config.pbtxt, "
+                             "OUT_DIR/NAME/1/model.onnx")
     parser.add_argument("--name", default=None, help="--triton: the model's name in the repository "
                                                     "(default: bert_qa, bert_classification or bert_encoder)")
     add_overwrite_argument(parser)

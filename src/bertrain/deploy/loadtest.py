@@ -7,6 +7,7 @@ request count and a time limit, whichever comes first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -157,6 +158,7 @@ def run_load(url: str, items: list[dict[str, Any]], expected: list[dict[str, Any
     `items` (cycling), until `duration_s` has passed or `max_requests` were sent. Every answer is compared with
     `expected` (the offline predictions of `items`, by position)."""
     httpx = require("httpx", "the load test")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per request would load the client's core
     assert len(items) == len(expected) and items
     report = LoadReport(clients, 0.0)
     counter = iter(range(max_requests))

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from bertrain.deploy import require
-from bertrain.deploy.backends import INPUT_NAMES, ONNX_FILE, ONNX_META, OnnxRuntimeBackend, TorchBackend, output_names, task_of
+from bertrain.deploy.backends import (INPUT_NAMES, ONNX_FILE, ONNX_META, OnnxRuntimeBackend, TorchBackend, output_names,
+                                      task_of)
 from bertrain.utils.errors import UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 

@@ -210,15 +210,15 @@ class MicroBatcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
+            s = self.stats
+            s.batches += 1
+            s.requests += len(batch)
+            s.items += n
+            s.largest_batch_requests = max(s.largest_batch_requests, len(batch))
+            s.largest_batch_items = max(s.largest_batch_items, n)
             await self._answer(batch, loop)
 
     async def _answer(self, batch: list[_Pending], loop: asyncio.AbstractEventLoop) -> None:
-        s = self.stats
-        s.batches += 1
-        s.requests += len(batch)
-        s.items += sum(len(p.items) for p in batch)
-        s.largest_batch_requests = max(s.largest_batch_requests, len(batch))
-        s.largest_batch_items = max(s.largest_batch_items, sum(len(p.items) for p in batch))
         try:
             results = await loop.run_in_executor(self._executor, self.predict, [it for p in batch for it in p.items])
         except Exception as e:
