@@ -70,6 +70,10 @@ class TaskSection:
     """One fine-tuning run per seed (head initialisation, data order, dropout); the report shows the spread."""
     random_init: bool = False
     """Also fine-tune the same architecture from random initialisation: what pretraining is worth on this task."""
+    reinit_pooler: bool = False
+    """Re-initialise the pretrained pooler (the [CLS] projection that NSP trained, which a new task must first
+    unlearn) before fine-tuning, as Zhang et al. 2021 ("Revisiting few-sample BERT fine-tuning") advise for small
+    data; a random-init model has a fresh pooler anyway, so the two then differ only in the encoder."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name or ""):

@@ -46,7 +46,8 @@ from bertrain.data.readers import BUILTIN_PYTHON_DOCS, resolve_inputs
 from bertrain.data.tokenizer import VOCAB_STATS, read_vocab, train_vocab
 from bertrain.pipeline import downstream
 from bertrain.pipeline.recipe import (Recipe, finetune_config, prepare_config, pretrain_config, recipe_dict)
-from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.config import resolve_batch
+from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context, launch_env
 from bertrain.train.resume import EXACT_KEYS
 from bertrain.utils.errors import RunStopped, UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -246,7 +247,8 @@ def build_stages(recipe: Recipe) -> list[Stage]:
             for seed in task.seeds:
                 name = f"finetune-{task.name}-{init_kind}-s{seed}"
                 folder = run / name
-                init = run / last_pretrain / "final" if init_kind == "pretrained" else folder / "init"
+                own_init = init_kind == "random" or task.reinit_pooler  # weights this stage writes itself
+                init = folder / "init" if own_init else run / last_pretrain / "final"
                 cfg = finetune_config(recipe, i, init, folder / "out", seed, data_dir)
                 if task.kind != "pydoc-topics" and not task_inputs:  # the task's files: once per task
                     files = ([cfg.data.train_file, cfg.data.dev_file] if task.kind == "squad"
@@ -264,6 +266,9 @@ def build_stages(recipe: Recipe) -> list[Stage]:
                 if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
                     settings["random_init.model"] = dict(to_dict(last_cfg.model), init=None)
                     setup = functools.partial(_random_init, Path(cfg.init), last_cfg, seed, vocab_file, build_model)
+                elif task.reinit_pooler:
+                    settings["reinit_pooler"] = True
+                    setup = functools.partial(_reinit_pooler, Path(cfg.init), run / last_pretrain / "final", seed)
 
                 deps = (("vocab",) if init_kind == "random" else (last_pretrain,)) + task_deps
                 stages.append(Stage(name, f"fine-tune {task.name} from {init_kind} weights, seed {seed}", True,
@@ -318,6 +323,20 @@ def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, build
     torch.manual_seed(seed)
     files = tokenizer_files_from_vocab(vocab_file, cfg.data.do_lower_case)
     model = build_model(cfg, len(read_vocab(vocab_file)), files)
+    with atomic_dir(folder, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+
+
+def _reinit_pooler(folder: Path, pretrained: Path, seed: int, stage: Stage) -> None:
+    """The pretrained weights with the pooler drawn afresh (seeded), as an HF model folder."""
+    from bertrain.model.bert import BertForPreTraining
+    from bertrain.utils.io import atomic_dir
+
+    if (folder / "config.json").is_file():
+        return
+    model = BertForPreTraining.from_pretrained(pretrained)
+    torch.manual_seed(seed)
+    model.init_weights(model.bert.pooler)
     with atomic_dir(folder, overwrite=True) as tmp:
         model.save_pretrained(tmp)
 
@@ -501,12 +520,26 @@ def _finish(stage: Stage, summary: dict[str, Any], wall_s: float) -> None:
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
+def check_batches(stages: list[Stage], world_size: int) -> None:
+    """Every engine stage's batch plan at this world size, checked before any work (the engine checks it only when
+    its stage starts, maybe hours in)."""
+    for s in stages:
+        if s.parallel:
+            try:
+                resolve_batch(s.config.train, world_size)
+            except ValueError as e:
+                raise UserError(f"stage {s.name}: {e} (on {world_size} process{'es' if world_size > 1 else ''}; "
+                                "set its batch keys in the recipe)") from None
+
+
 def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> dict[str, Decision]:
     """Run the pipeline (every rank calls this); returns the decisions taken."""
     run_dir = recipe.run_dir
     missing = missing_inputs(stages)
     if missing:
         raise UserError("missing inputs: " + "; ".join(missing) + " — fix the recipe keys named, then run again")
+    layout = launch_env()
+    check_batches(stages, layout.world_size if layout else 1)
     dist_cfg = next(s.config for s in stages if s.name == "pretrain-phase1").distributed
     decisions: dict[str, Decision] = {}
     with distributed_context(dist_cfg) as dist, pipeline_folder(run_dir, dist, overwrite):
