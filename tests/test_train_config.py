@@ -2,6 +2,7 @@
 arithmetic; launcher environments (torchrun, Slurm, Open MPI, PMI)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -102,10 +103,12 @@ def test_launcher_environments() -> None:
     e = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (3, 8, 1, "n1", 1234,
                                                                                                "torchrun")
-    e = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-                    "SLURM_JOB_NODELIST": "gpu[07-08,11]", "SLURM_JOB_ID": "4242"})
+    e = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
+                    "SLURM_JOB_NODELIST": "gpu[07-08,11]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (
-        5, 16, 1, "gpu07", 15000 + 4242, "slurm")
+        5, 16, 1, "gpu07", 15000 + (4242 * 8 + 3) % 20000, "slurm")
+    # the batch script of a 1-task job is one process, not a launcher
+    assert launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}) is None
     e = launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
                     "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.launcher) == (2, 4, 2, "127.0.0.1", "openmpi")
@@ -113,6 +116,41 @@ def test_launcher_environments() -> None:
         launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
     e = launch_env({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MASTER_ADDR": "head"})
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.launcher) == (1, 2, 1, "head", "pmi")
+
+
+@pytest.mark.parametrize("env, names", [
+    ({"RANK": "0"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR, MASTER_PORT"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank 2"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, "LOCAL_RANK=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "zwei"}, "WORLD_SIZE='zwei'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, "srun"),
+    ({"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "4"}, "SLURM_PROCID, SLURM_STEP_NUM_TASKS"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE=0"),
+])
+def test_launcher_environment_errors_name_the_variable(env: dict[str, str], names: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(names)):
+        launch_env(env)
+
+
+def test_layout_check_and_description() -> None:
+    from bertrain.train.distributed import LaunchEnv, check_layout, describe_layout
+    ranks = [{"pid": 10 + r, "host": "n1", "local_rank": r, "launcher": "openmpi", "device": "cpu"} for r in (0, 1)]
+    check_layout(ranks)
+    text = describe_layout(LaunchEnv(0, 2, 0, "n1", 1234, "openmpi"), "gloo", ranks)
+    assert text.splitlines() == ["launched by openmpi: world size 2, master n1:1234, gloo backend",
+                                 "  rank 0: local rank 0 on n1 (pid 10, cpu)", "  rank 1: local rank 1 on n1 (pid 11, cpu)"]
+    check_layout([dict(ranks[0]), dict(ranks[1], local_rank=0)])  # CPU ranks may share a local rank
+    gpus = [dict(r, device=f"cuda:{r['local_rank']}") for r in ranks]
+    check_layout(gpus)
+    with pytest.raises(ValueError, match="ranks 0 and 1 both use cuda:0 on host n1"):
+        check_layout([gpus[0], dict(gpus[1], device="cuda:0")])
+    with pytest.raises(ValueError, match="different launchers"):
+        check_layout([dict(ranks[0]), dict(ranks[1], launcher="torchrun")])
 
 
 def test_slurm_nodelist_parsing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
-"""Multi-process proof on CPU (gloo): identical parameters on every rank, 1x4 == 2x2 == 4x1 accumulation,
-resume on another world size, uneven data without a hang. Runs `train()` itself in spawned processes."""
+"""Multi-process proof on CPU (gloo): identical parameters on every rank, 1x4 == 2x2 == 4x1 accumulation (1x2 ==
+2x1 bit for bit), resume on another world size, uneven data without a hang. Runs `train()` itself in spawned processes."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def base_config(out: Path, **train: object) -> dict:
     return {
-        "model": {"preset": "tiny", "dropout": 0.0},  # dropout would make ranks draw different masks
+        # dropout on: masks are seeded by the micro-batch's place in the global batch, not by the rank
+        "model": {"preset": "tiny", "dropout": 0.1},
         "data": {"synthetic_samples": 256, "vocab_size": 100},
         "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
         "train": {"steps": 4, "global_batch_size": 16, "micro_batch_size": 4, "log_interval": 1, **train},
@@ -93,6 +94,19 @@ def test_resume_on_another_world_size(runs: dict[int, Path], tmp_path: Path) -> 
     assert resumed["step"] == 4
     assert_state_close(straight, resumed["params"], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(losses(out), losses(runs[1])[2:], rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_equal_one_rank_with_two_micro_steps_bitwise(tmp_path: Path) -> None:
+    """2 ranks x 1 micro-step and 1 rank x 2 micro-steps (global batch 8, dropout on): the same samples and dropout
+    masks in the same places, and two partial gradients add the same way (a + b), so the weights are equal bit for
+    bit; what lets an elastic job continue exactly on fewer nodes (tests/test_launchers.py does it with torchrun)."""
+    params = {}
+    for world in (1, 2):
+        cfg = base_config(tmp_path / f"w{world}", global_batch_size=8, micro_batch_size=4)
+        spawn(_train_worker, world, cfg, None)
+        params[world] = torch.load(tmp_path / f"w{world}" / "rank0.pt")["params"]
+    for k in params[1]:
+        assert torch.equal(params[1][k], params[2][k]), k
 
 
 def test_uneven_data_finishes_without_hang(tmp_path: Path) -> None:

@@ -61,14 +61,15 @@ def run(args: argparse.Namespace) -> int:
     from bertrain.config import load_config
     from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig, run_glue, run_squad
 
+    from bertrain.train.resume import resume_on_restart
+
+    resume, overwrite = resume_on_restart(args.resume, args.overwrite)
     if args.ft_task == "squad":
         cfg = load_config(SquadFinetuneConfig, args.config, _overrides(args))
-        results = run_squad(cfg, resume=args.resume, overwrite=args.overwrite,
-                            allow_config_change=args.allow_config_change)
+        results = run_squad(cfg, resume=resume, overwrite=overwrite, allow_config_change=args.allow_config_change)
     else:
         cfg = load_config(GlueFinetuneConfig, args.config, _overrides(args))
-        results = run_glue(cfg, resume=args.resume, overwrite=args.overwrite,
-                           allow_config_change=args.allow_config_change)
+        results = run_glue(cfg, resume=resume, overwrite=overwrite, allow_config_change=args.allow_config_change)
     if results:  # only rank 0 returns results
         print(json.dumps(results, indent=2))
     return 0

@@ -26,8 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
     cfg = load_config(PretrainConfig, args.config, overrides_from_args(args))
     from bertrain.utils.errors import RunStopped
-    result = run_pretraining(cfg, resume=args.resume, overwrite=args.overwrite,
-                             allow_config_change=args.allow_config_change)
+    from bertrain.train.resume import resume_on_restart
+    resume, overwrite = resume_on_restart(args.resume, args.overwrite)
+    result = run_pretraining(cfg, resume=resume, overwrite=overwrite, allow_config_change=args.allow_config_change)
     if result.stopped_by_signal:
         step = result.state.step
         raise RunStopped(f"stopped by a signal at step {step} after saving {cfg.output_dir}/step-{step}; continue "

@@ -58,6 +58,37 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "the schedule is recomputed for the new length) instead of refusing them")
 
 
+# Set by a launcher that restarts a failed job by itself: torchrun --max-restarts (elastic agent) and Slurm's
+# requeue (scontrol requeue, --requeue on node failure). A restarted run continues; it never starts over.
+RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart_count(env: dict[str, str] | None = None) -> tuple[str, int] | None:
+    """(variable, count) when a launcher has restarted this job (count > 0), else None."""
+    env = dict(os.environ) if env is None else env
+    for var in RESTART_VARIABLES:
+        value = env.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return var, int(value)
+    return None
+
+
+def resume_on_restart(resume: str | None, overwrite: bool,
+                      env: dict[str, str] | None = None) -> tuple[str | None, bool]:
+    """The (--resume, --overwrite) a command really uses: after a launcher's restart, `--resume auto` unless a
+    checkpoint PATH was given (the first attempt already claimed or replaced the folder, so --overwrite is dropped:
+    moving the folder aside now would throw away the checkpoints this restart must continue from)."""
+    restarted = restart_count(env)
+    if restarted is None:
+        return resume, overwrite
+    var, count = restarted
+    if resume is None:
+        log.info("%s=%d: restarted by the launcher, continuing from the newest complete checkpoint "
+                 "(--resume auto)", var, count)
+        resume = "auto"
+    return resume, False
+
+
 @contextlib.contextmanager
 def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None,
                overwrite: bool) -> Iterator[None]:
@@ -187,7 +218,8 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     if ts["world_size"] == dist.world_size:
         ckpt.set_rng_state(ts["rng"][dist.rank])
     else:
-        log.warning("resuming on %d ranks from a %d-rank checkpoint: per-rank RNG streams are re-seeded",
+        log.warning("resuming on %d ranks from a %d-rank checkpoint (the data order and dropout follow the "
+                    "global batch, not the ranks: the same samples and masks, summed in a different order)",
                     dist.world_size, ts["world_size"])
         ckpt.seed_rank_rng(cfg.seed, dist.rank, int(ts["state"]["step"]))
     if ts["batch"]["global_batch_size"] != plan.global_batch_size:

@@ -262,6 +262,7 @@ class _Run:
         world = self.dist.world_size
         shares = torch.zeros(len(groups), device=self.dist.device)
         for i, mb in enumerate(micro_batches):
+            ckpt.seed_micro_batch(self.cfg.seed, self.state.step, i * world + self.dist.rank)
             with no_sync(self.model, enabled=i < len(micro_batches) - 1):
                 with self.precision.autocast():
                     sums = self.task.forward(self.model, mb)
