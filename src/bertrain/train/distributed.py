@@ -328,9 +328,11 @@ def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None =
     if dist.world_size == 1:
         return model
     cfg = cfg or DistributedConfig()
+    # DDP's buffer options are left at their defaults: our models register no buffers, so there is nothing to
+    # sync (and torch 2.13 deprecates `broadcast_buffers` in favour of a keyword that torch 2.11 lacks)
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True, broadcast_buffers=False)
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
     if cfg.grad_compression == "bf16" and dist.device.type != "cuda":
         raise ValueError("config key 'distributed.grad_compression': bf16 allreduce needs NCCL on CUDA "
                          "(torch's hook refuses gloo); use fp16 on CPU, or none")
