@@ -72,19 +72,29 @@ def _memory_worker(rank: int, world: int, port: int, queue: "mp.Queue") -> None:
     torch.distributed.destroy_process_group()
 
 
-def measure_memory(worlds: list[int]) -> list[dict]:
+def run_ranks(target, world: int, args: tuple, results: int) -> list:
+    """Run target(rank, world, port, *args, queue) on `world` spawned processes; collect `results` queue items
+    (raises as soon as a rank dies instead of waiting forever)."""
     ctx = mp.get_context("spawn")
-    rows = []
-    for world in worlds:
-        queue, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_memory_worker, args=(r, world, port, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = [queue.get(timeout=600) for _ in range(2 * world)]
-        for p in procs:
-            p.join(timeout=60)
-        rows += got
-    return rows
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: list = []
+    while len(got) < results:
+        try:
+            got.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a rank failed (exit codes {failed}): see its traceback above") from None
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
+def measure_memory(worlds: list[int]) -> list[dict]:
+    return [row for world in worlds for row in run_ranks(_memory_worker, world, (), 2 * world)]
 
 
 def print_memory(rows: list[dict]) -> None:
@@ -171,6 +181,8 @@ def _time_worker(rank: int, world: int, port: int, preset: str, steps: int, queu
     precision = Precision(PrecisionConfig(), dist.device)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(1000, 30000, (8, 128), generator=g) for _ in range(2)]
+    nsp = torch.zeros(8, dtype=torch.long)
+    positions = torch.randint(1, 128, (8, 20), generator=g)  # 20 masked positions per row, as pretraining
     times: dict[str, list[float]] = {k: [] for k in variants}
     for step in range(steps + 2):  # round-robin: the three see the same machine load; 2 warm-up steps
         for name, (train, opt, params) in variants.items():
@@ -178,7 +190,8 @@ def _time_worker(rank: int, world: int, port: int, preset: str, steps: int, queu
             t0 = time.perf_counter()
             for i, ids in enumerate(batches):
                 with no_sync(train, enabled=i < len(batches) - 1):
-                    precision.backward(train(ids, labels=ids).loss)
+                    precision.backward(train(ids, masked_positions=positions, labels=ids.gather(1, positions),
+                                             next_sentence_label=nsp).loss)
             precision.unscale_and_clip(opt, params, 1.0)
             precision.step(opt)
             opt.zero_grad(set_to_none=True)
@@ -191,16 +204,7 @@ def _time_worker(rank: int, world: int, port: int, preset: str, steps: int, queu
 
 
 def measure_time(preset: str, steps: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_time_worker, args=(r, 2, port, preset, steps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join(timeout=60)
-    return result
+    return run_ranks(_time_worker, 2, (preset, steps), 1)[0]
 
 
 def main() -> None:
@@ -219,7 +223,8 @@ def main() -> None:
         print_wire(args.gpus)
     if args.time:
         t = measure_time(args.preset, args.steps)
-        print(f"\nBERT-{args.preset}, 2 gloo ranks x 1 thread, LAMB, 2 micro-steps of 8 x 128, median of {args.steps}:")
+        print(f"\nBERT-{args.preset}, 2 gloo ranks x 1 thread, LAMB, 2 micro-steps of 8 x 128 (20 masked), "
+              f"median of {args.steps}:")
         for k, v in t.items():
             print(f"  {k:16s} {v * 1e3:8.1f} ms/step  {v / t['ddp']:.2f}x ddp")
 

@@ -118,9 +118,11 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     from bertrain.train.optim import Lamb, build_optimizer
     from bertrain.train.parallel import apply_fsdp
     from bertrain.train.precision import Precision
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     dist = init_distributed(DistributedConfig(timeout_s=60))
-    trainer_cfg = TrainerConfig(train=TrainConfig(steps=1), distributed=DistributedConfig(strategy="fsdp"), output_dir=out)
+    trainer_cfg = TrainerConfig(train=TrainConfig(steps=1), distributed=DistributedConfig(strategy="fsdp"),
+                                output_dir=out)
     torch.manual_seed(0)
     batches = [torch.randint(1, 100, (4, 16)) for _ in range(3)]  # the same on every rank: FSDP's mean = the grad
 
@@ -154,10 +156,32 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
                 precision.step(opt)
                 opt.zero_grad(set_to_none=True)
             norms.append(pair)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
         results[key] = {"norms": norms, "plain": plain.state_dict(), "sharded": full,
                         "start": models()[0].state_dict()}
+
+    # bf16: the mixed-precision policy gathers and computes in bf16 (fp32 shards); gradients close to autocast's
+    bf16_cfg = TrainerConfig(train=TrainConfig(steps=1), precision=PrecisionConfig(mode="bf16"),
+                             distributed=DistributedConfig(strategy="fsdp"), output_dir=out)
+    torch.manual_seed(1)
+    plain = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100, hidden_dropout_prob=0.0,
+                                                      attention_probs_dropout_prob=0.0))
+    sharded = apply_fsdp(type(plain)(plain.config), bf16_cfg, dist)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(sharded, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+    seen = []
+    layer = sharded.bert.encoder.layer[0].intermediate
+    layer.register_forward_pre_hook(lambda m, args: seen.append(m.dense.weight.dtype))
+    bf16 = Precision(PrecisionConfig(mode="bf16"), dist.device)
+    norms = []
+    for model in (plain, sharded):
+        with bf16.autocast():
+            loss = model(batches[0], labels=batches[0]).loss
+        loss.backward()
+        norms.append(float(bf16.unscale_and_clip(build_optimizer(model, OptimConfig()), list(model.parameters()), 0.0)))
+    results["bf16"] = {"seen": seen, "norms": norms,
+                       "shard_dtype": next(sharded.parameters()).to_local().dtype,
+                       "grad_dtype": next(sharded.parameters()).grad.to_local().dtype}
 
     # fp16: an overflow in one rank's shard only must skip the step on every rank
     plain, sharded = models()
@@ -191,6 +215,9 @@ def test_sharded_optimizers_and_clipping_equal_full_tensors(tmp_path: Path) -> N
             assert moved > 1e-3, (name, moved)  # three steps moved the weights far beyond the tolerance
     for res in ranks:
         assert res["fp16"] == {"stepped": False, "unchanged": True, "scale": 512.0}, res["fp16"]
+        bf16 = res["bf16"]
+        assert bf16["seen"] == [torch.bfloat16] and bf16["shard_dtype"] == bf16["grad_dtype"] == torch.float32
+        torch.testing.assert_close(bf16["norms"][1], bf16["norms"][0], rtol=2e-2, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------- end to end

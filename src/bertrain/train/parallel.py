@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from bertrain.model.bert import BertLayer
-from bertrain.train.config import DistributedConfig, TrainerConfig, _check_all
+from bertrain.train.config import DistributedConfig, TrainerConfig
 from bertrain.train.distributed import DistInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,32 +53,25 @@ class ParallelDims:
         """The degrees for `cfg.distributed` on `world_size` ranks; a ValueError naming every key that does not fit."""
         d, mode = cfg.distributed, cfg.precision.mode
         fsdp = d.strategy == "fsdp"
-        checks = []
+        errors = []  # all at once, each naming its key
         if fsdp and world_size < 2:
-            checks.append(lambda: _fail(
-                "config key 'distributed.strategy' is fsdp but the job has 1 rank: there is nothing to shard "
-                "across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N)"))
+            errors.append("config key 'distributed.strategy' is fsdp but the job has 1 rank: there is nothing to "
+                          "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N)")
         if fsdp and d.grad_compression != "none":
-            checks.append(lambda: _fail(
-                f"config key 'distributed.grad_compression' ({d.grad_compression}) is a DDP allreduce hook; under "
-                "fsdp set 'distributed.fsdp_reduce_dtype' instead (the reduce-scatter dtype)"))
+            errors.append(f"config key 'distributed.grad_compression' ({d.grad_compression}) is a DDP allreduce hook; "
+                          "under fsdp set 'distributed.fsdp_reduce_dtype' instead (the reduce-scatter dtype)")
         if fsdp and "fp16" in (d.fsdp_param_dtype, d.fsdp_reduce_dtype) and mode != "fp16":
-            checks.append(lambda: _fail(
-                "config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling of "
-                f"'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16"))
+            errors.append("config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling "
+                          f"of 'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16")
         if not fsdp:
             default = DistributedConfig()
-            for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype"):
-                if getattr(d, key) != getattr(default, key):
-                    checks.append(lambda key=key: _fail(
-                        f"config key 'distributed.{key}' ({getattr(d, key)}) applies only with distributed.strategy "
-                        f"fsdp (it is {d.strategy}); remove it or set the strategy to fsdp"))
-        _check_all(checks)
+            errors += [f"config key 'distributed.{key}' ({getattr(d, key)}) applies only with distributed.strategy "
+                       f"fsdp (it is {d.strategy}); remove it or set the strategy to fsdp"
+                       for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype")
+                       if getattr(d, key) != getattr(default, key)]
+        if errors:
+            raise ValueError("; ".join(errors))
         return cls(1, world_size) if fsdp else cls(world_size, 1)
-
-
-def _fail(message: str) -> None:
-    raise ValueError(message)
 
 
 def mixed_precision_policy(cfg: TrainerConfig) -> MixedPrecisionPolicy:
