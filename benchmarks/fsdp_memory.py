@@ -125,21 +125,23 @@ def fsdp_efficiency(params: int, global_batch: int, micro: int, rate: float, n: 
                     per_node: int = 8) -> tuple[float, float, float]:
     """(efficiency, GB per GPU per step, exposed ms per step) of FSDP, in the model of scaling_model.py.
 
-    Per micro-step every unit is all-gathered for forward, and again for backward with `reshard` ((N-1)/N x P x
-    param_bytes each: a ring all-gather moves half of an all-reduce); the gradients are reduce-scattered once per
-    optimizer step (accumulation runs under no_sync). FSDP prefetches the next unit's gather during the current
-    unit's compute, so a micro-step's gathers hide behind its compute up to the compute time; the reduce-scatter
-    overlaps the last backward as DDP's all-reduce does."""
+    With `reshard` (ZeRO-3) every unit is all-gathered for forward and again for backward on every micro-step;
+    without it the gathered weights stay from the first forward through the last backward of the step (no_sync
+    keep_gathered): one gather per optimizer step. Each gather moves (N-1)/N x P x param_bytes (a ring all-gather
+    is half an all-reduce); the gradients are reduce-scattered once per optimizer step (accumulation runs under
+    no_sync). FSDP prefetches the next unit's gather during the current unit's compute, so a micro-step's gathers
+    hide behind its compute up to the compute time; the reduce-scatter overlaps the last backward as DDP's
+    all-reduce does."""
     bw, alpha = (link["intra"], link["alpha_intra"]) if n <= per_node else (link["inter"], link["alpha_inter"])
     accumulation = max(1, global_batch // (n * micro))
-    gathers = 2 if reshard else 1
+    gathered_micro_steps, gathers = (accumulation, 2) if reshard else (1, 1)
     t_micro = micro / rate
     frac = (n - 1) / n
     t_gather = gathers * (frac * params * param_bytes / (bw * 1e9) + (n - 1) * alpha)
     t_rs = frac * params * reduce_bytes / (bw * 1e9) + (n - 1) * alpha
-    exposed = accumulation * max(0.0, t_gather - t_micro) + max(0.0, t_rs - 2 / 3 * t_micro)
+    exposed = gathered_micro_steps * max(0.0, t_gather - t_micro) + max(0.0, t_rs - 2 / 3 * t_micro)
     t_compute = global_batch / n / rate
-    wire = frac * params * (accumulation * gathers * param_bytes + reduce_bytes)
+    wire = frac * params * (gathered_micro_steps * gathers * param_bytes + reduce_bytes)
     return t_compute / (t_compute + exposed), wire / GB, exposed * 1e3
 
 
@@ -189,7 +191,7 @@ def _time_worker(rank: int, world: int, port: int, preset: str, steps: int, queu
             torch.distributed.barrier()
             t0 = time.perf_counter()
             for i, ids in enumerate(batches):
-                with no_sync(train, enabled=i < len(batches) - 1):
+                with no_sync(train, enabled=i < len(batches) - 1, keep_gathered=name == "fsdp-no-reshard"):
                     precision.backward(train(ids, masked_positions=positions, labels=ids.gather(1, positions),
                                              next_sentence_label=nsp).loss)
             precision.unscale_and_clip(opt, params, 1.0)

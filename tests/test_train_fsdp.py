@@ -114,7 +114,7 @@ def test_configurations_that_do_not_fit_are_refused(tmp_path: Path, capsys: pyte
 def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     from bertrain.model.bert import BertConfig, BertForPreTraining
     from bertrain.train.config import DistributedConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainerConfig
-    from bertrain.train.distributed import init_distributed
+    from bertrain.train.distributed import init_distributed, no_sync
     from bertrain.train.optim import Lamb, build_optimizer
     from bertrain.train.parallel import apply_fsdp
     from bertrain.train.precision import Precision
@@ -183,6 +183,30 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
                        "shard_dtype": next(sharded.parameters()).to_local().dtype,
                        "grad_dtype": next(sharded.parameters()).grad.to_local().dtype}
 
+    # all-gathers per optimizer step of 4 micro-steps (FSDP2's own hook point; None where a torch version lacks it)
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    gather = getattr(_fsdp_param_group, "foreach_all_gather", None)
+    results["gathers"] = None
+    if gather is not None:
+        counts = [0]
+
+        def counting(*args, **kwargs):
+            counts[0] += 1
+            return gather(*args, **kwargs)
+
+        _fsdp_param_group.foreach_all_gather = counting
+        results["gathers"] = {}
+        for reshard in (True, False):
+            cfg = TrainerConfig(train=TrainConfig(steps=1), output_dir=out,
+                                distributed=DistributedConfig(strategy="fsdp", reshard_after_forward=reshard))
+            model = apply_fsdp(BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100)), cfg, dist)
+            counts[0] = 0
+            for i in range(4):
+                with no_sync(model, enabled=i < 3, keep_gathered=not reshard):
+                    model(batches[0], labels=batches[0]).loss.backward()
+            results["gathers"][reshard] = counts[0]
+        _fsdp_param_group.foreach_all_gather = gather
+
     # fp16: an overflow in one rank's shard only must skip the step on every rank
     plain, sharded = models()
     opt = build_optimizer(sharded, OptimConfig(name="lamb"))
@@ -218,18 +242,26 @@ def test_sharded_optimizers_and_clipping_equal_full_tensors(tmp_path: Path) -> N
         bf16 = res["bf16"]
         assert bf16["seen"] == [torch.bfloat16] and bf16["shard_dtype"] == bf16["grad_dtype"] == torch.float32
         torch.testing.assert_close(bf16["norms"][1], bf16["norms"][0], rtol=2e-2, atol=0)
+    # 3 units (root, 2 layers): ZeRO-3 gathers each for forward and again for backward (the last layer stays
+    # gathered) on every micro-step: 4 x 5; without resharding the weights stay gathered through the
+    # accumulation: each unit once per optimizer step
+    if ranks[0]["gathers"] is None:
+        pytest.skip("this torch has no FSDP2 foreach_all_gather to count (the rest was checked)")
+    assert ranks[0]["gathers"] == ranks[1]["gathers"] == {True: 20, False: 3}
 
 
 # ----------------------------------------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Straight 20-step runs: DDP and FSDP with LAMB on 2 ranks; DDP (2 ranks) and FSDP (4 ranks) with AdamW."""
+    """Straight 20-step runs: DDP and FSDP with LAMB on 2 ranks; DDP (2 ranks) and FSDP (4 ranks, weights not
+    resharded after forward) with AdamW."""
     root = tmp_path_factory.mktemp("fsdp")
     out = {}
     for name, world, cfg in [("ddp-lamb", 2, {"strategy": "ddp"}), ("fsdp-lamb", 2, {}),
                              ("ddp-adamw", 2, {"strategy": "ddp", "optim": "adamw", "dropout": 0.0}),
-                             ("fsdp4-adamw", 4, {"optim": "adamw", "dropout": 0.0})]:
+                             # no resharding: the gathered weights stay through accumulation (no_sync keep_gathered)
+                             ("fsdp4-adamw", 4, {"optim": "adamw", "dropout": 0.0, "reshard_after_forward": False})]:
         out[name] = root / name
         pretrain(world, config(out[name], **cfg))
     return out

@@ -348,25 +348,31 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def no_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+def no_sync(model: nn.Module, enabled: bool, keep_gathered: bool = False) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) inside the block (accumulation micro-steps)
-    when `enabled`: gradients accumulate locally until the last micro-step's backward reduces them."""
+    when `enabled`: gradients accumulate locally until the last micro-step's backward reduces them.
+
+    `keep_gathered` (FSDP2 without `reshard_after_forward`, whose gathered weights stay from forward to backward
+    anyway): they also stay from one micro-step to the next, so the weights are all-gathered once per optimizer
+    step instead of once per micro-step (the last micro-step's backward frees them)."""
     if enabled and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     if enabled and isinstance(model, FSDPModule):
-        return _fsdp_no_sync(model)
+        return _fsdp_no_sync(model, keep_gathered)
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
-    # FSDP2 has a setter but no context; the flag DDP uses tells `grads_are_synced` where we are
+def _fsdp_no_sync(model: FSDPModule, keep_gathered: bool) -> Iterator[None]:
+    # FSDP2 has setters but no context; the flag DDP uses tells `grads_are_synced` where we are
     model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(not keep_gathered)
     model.require_backward_grad_sync = False
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
         model.require_backward_grad_sync = True
 
 

@@ -260,10 +260,11 @@ class _Run:
         """
         groups = self.task.loss_groups
         world = self.dist.world_size
+        keep_gathered = not self.cfg.distributed.reshard_after_forward  # fsdp: gather once per optimizer step
         shares = torch.zeros(len(groups), device=self.dist.device)
         for i, mb in enumerate(micro_batches):
             ckpt.seed_micro_batch(self.cfg.seed, self.state.step, i * world + self.dist.rank)
-            with no_sync(self.model, enabled=i < len(micro_batches) - 1):
+            with no_sync(self.model, enabled=i < len(micro_batches) - 1, keep_gathered=keep_gathered):
                 with self.precision.autocast():
                     sums = self.task.forward(self.model, mb)
                 terms = torch.stack([sums[f"{g}_loss_sum"].float() / max(c, 1) for g, c in zip(groups, counts)])
