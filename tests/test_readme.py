@@ -35,7 +35,8 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_has_the_two_commands() -> None:
     text = README.read_text(encoding="utf-8")
-    assert "bertrain pretrain --config configs/quickstart.yaml" in text
+    assert "bertrain run configs/recipes/pydoc-small.yaml" in text  # the main job: raw text to evaluated model
+    assert "bertrain pretrain --config configs/quickstart.yaml" in text  # pretraining alone
     assert "python -m pytest -q tests" in text
     assert "-m pytest -q tests" in (README.parent / ".ci" / "run").read_text()
 
@@ -48,3 +49,7 @@ def test_readme_command_parses(argv: list[str]) -> None:
         from bertrain.tasks.pretraining import PretrainConfig
         cfg = load_config(PretrainConfig, README.parent / args.config, overrides_from_args(args))
         assert cfg.train.steps > 0
+    if argv[0] == "run":  # the recipe loads strictly and every stage's engine config builds
+        from bertrain.pipeline.recipe import load_recipe
+        from bertrain.pipeline.stages import build_stages
+        assert build_stages(load_recipe(README.parent / args.recipe, args.overrides))
