@@ -8,6 +8,7 @@
                     `bertrain.tasks.predict`, shared by every backend.
 * `server.py`       `bertrain serve`: FastAPI + uvicorn, `POST /predict`, `GET /health`, micro-batching of
                     concurrent requests, a request size limit, graceful shutdown.
+* `config.py`       `ServeConfig` (no web framework imported, so `bertrain serve --help` is quick).
 * `loadtest.py`     concurrent clients against a running server (benchmarks/serve_load.py, tests).
 
 The packages (onnx, onnxruntime, fastapi, uvicorn, httpx) are the optional extra `bertrain[deploy]`;
