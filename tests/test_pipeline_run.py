@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from bertrain.pipeline.recipe import load_recipe
+from bertrain.pipeline.stages import build_stages, plan
 from distributed import REPO, cli_env, launch_cli
 
 pytestmark = pytest.mark.slow
@@ -41,10 +43,9 @@ def bertrain(args: list[str], timeout: float = 600) -> subprocess.CompletedProce
 
 
 def dry_run(out: Path, *extra: str) -> dict[str, tuple[str, str]]:
-    r = bertrain(argv(out, *extra) + ["--dry-run"])
-    assert r.returncode == 0, r.stderr
-    rows = re.findall(r"^  (\S+)\s+(skip|run|resume|redo)\s+(.*?)\s+\[", r.stdout, re.M)
-    return {name: (action, reason) for name, action, reason in rows}
+    """What `bertrain run ... --dry-run` prints (tests/test_pipeline_recipe.py runs the CLI), in this process."""
+    recipe = load_recipe(RECIPE, [f"output_dir={out}", *SMALL, *extra])
+    return {name: (d.action, d.reason) for name, d in plan(build_stages(recipe)).items()}
 
 
 def final_results(out: Path) -> dict[str, bytes]:

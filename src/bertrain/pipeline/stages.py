@@ -46,6 +46,7 @@ from bertrain.data.readers import BUILTIN_PYTHON_DOCS, resolve_inputs
 from bertrain.data.tokenizer import VOCAB_STATS, read_vocab, train_vocab
 from bertrain.pipeline import downstream
 from bertrain.pipeline.recipe import (Recipe, finetune_config, prepare_config, pretrain_config, recipe_dict)
+from bertrain.train.checkpoint import sha256_file
 from bertrain.train.config import resolve_batch
 from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context, launch_env
 from bertrain.train.resume import EXACT_KEYS
@@ -61,14 +62,6 @@ HASH_FULL_BYTES = 256 << 20  # inputs up to this size are identified by content,
 
 
 # ----------------------------------------------------------------------------------------------- identity
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def input_identity(spec: str) -> str:
     """What an external input is: the sha256 of its content (or size + time when huge), 'missing' if absent."""
