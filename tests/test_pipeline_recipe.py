@@ -193,3 +193,13 @@ def test_evaluate_collects_seeds_baselines_and_the_papers_figure(tmp_path):
     assert (em["split"], em["metric"], em["paper"], sf1["paper"], em["examples"]) == ("squad1.1", "exact_match", 80.8,
                                                                                      88.5, 632)
     assert set(em["by_init"]) == {"pretrained"}
+
+
+def test_a_run_folder_of_another_command_is_refused(tmp_path, capsys):
+    import json
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"run_id": "abc", "command": "pretrain", "started": "x"}))
+    assert main(["run", str(DEFAULT), "--set", f"output_dir={out}"]) == 2
+    assert f"run folder {out} holds the outputs of another command" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing started
