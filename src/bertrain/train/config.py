@@ -161,8 +161,9 @@ class DistributedConfig:
     each rank holds 1/world of them, weights are all-gathered per layer for forward and backward; see
     train/parallel.py). Checkpoints of either resume under the other."""
     reshard_after_forward: bool = True
-    """fsdp: free each layer's gathered weights after its forward and gather them again for backward (ZeRO-3: least
-    memory, 1.5x the traffic of ddp); false keeps them until backward (ZeRO-2 memory for weights, ddp's traffic)."""
+    """fsdp: free each layer's gathered weights after its forward and gather them again for backward, on every
+    micro-step (ZeRO-3: least memory, most traffic); false gathers them once per optimizer step and keeps them
+    through all micro-steps (full weights on every rank like ddp, gradients and optimizer state sharded)."""
     fsdp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """fsdp: dtype in which weights are all-gathered and computed (auto: bf16/fp16 under precision.mode bf16/fp16,
     else fp32); the sharded master weights and the optimizer stay fp32."""
