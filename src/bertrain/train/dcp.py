@@ -73,7 +73,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
             torch.save({**train_state, "format": FORMAT}, tmp / ckpt.TRAIN_STATE)
             if config is not None:
                 save_config(config, tmp / "config.yaml")
-        except OSError:
+        except BaseException:  # whatever it is, the other ranks must not wait for a folder that never comes
             broadcast_object(None)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
