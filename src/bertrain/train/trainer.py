@@ -180,7 +180,8 @@ class Trainer:
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()
         if template is not None:  # one plain module again (every rank) for evaluation and the HF export
-            model = gather_full_model(model, template, dist.device)
+            # (the copy keeps the options' flags but not a compiled layer's compiled call: applied again)
+            model = apply_model_options(gather_full_model(model, template, dist.device), cfg.model_options)
         return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step)
 
 
