@@ -92,8 +92,13 @@ def test_configurations_that_do_not_fit_are_refused(tmp_path: Path, capsys: pyte
 
     assert dims(4) == ParallelDims(dp_replicate=1, dp_shard=4) and dims(4).fsdp_enabled
     assert dims(4, distributed__strategy="ddp") == ParallelDims(dp_replicate=4, dp_shard=1)
+    assert dims(4, distributed__dp_shard=2) == ParallelDims(dp_replicate=2, dp_shard=2)
     with pytest.raises(ValueError, match="'distributed.strategy' is fsdp but the job has 1 rank"):
         dims(1)
+    with pytest.raises(ValueError, match=r"'distributed.dp_shard' \(3\) must divide the world size \(4\)"):
+        dims(4, distributed__dp_shard=3)
+    with pytest.raises(ValueError, match=r"'distributed.dp_shard' \(2\) applies only with distributed.strategy"):
+        dims(4, distributed__strategy="ddp", distributed__dp_shard=2)
     with pytest.raises(ValueError, match="'distributed.grad_compression'.*fsdp_reduce_dtype"):
         dims(2, distributed__grad_compression="fp16")
     with pytest.raises(ValueError, match="fp16 need the loss scaling of 'precision.mode' fp16"):
@@ -254,14 +259,16 @@ def test_sharded_optimizers_and_clipping_equal_full_tensors(tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Straight 20-step runs: DDP and FSDP with LAMB on 2 ranks; DDP (2 ranks) and FSDP (4 ranks, weights not
-    resharded after forward) with AdamW."""
+    """Straight 20-step runs: DDP and FSDP with LAMB on 2 ranks and HSDP (2 x 2) on 4; DDP (2 ranks) and FSDP
+    (4 ranks, weights not resharded after forward) with AdamW. (Dropout masks follow the global micro-batch slot,
+    so 2 and 4 ranks draw the same ones.)"""
     root = tmp_path_factory.mktemp("fsdp")
     out = {}
     for name, world, cfg in [("ddp-lamb", 2, {"strategy": "ddp"}), ("fsdp-lamb", 2, {}),
                              ("ddp-adamw", 2, {"strategy": "ddp", "optim": "adamw", "dropout": 0.0}),
                              # no resharding: the gathered weights stay through accumulation (no_sync keep_gathered)
-                             ("fsdp4-adamw", 4, {"optim": "adamw", "dropout": 0.0, "reshard_after_forward": False})]:
+                             ("fsdp4-adamw", 4, {"optim": "adamw", "dropout": 0.0, "reshard_after_forward": False}),
+                             ("hsdp4-lamb", 4, {"dp_shard": 2})]:  # HSDP: sharded in pairs, replicated twice
         out[name] = root / name
         pretrain(world, config(out[name], **cfg))
     return out
@@ -269,7 +276,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path]) -> None:
-    for ddp, fsdp in (("ddp-lamb", "fsdp-lamb"), ("ddp-adamw", "fsdp4-adamw")):
+    for ddp, fsdp in (("ddp-lamb", "fsdp-lamb"), ("ddp-adamw", "fsdp4-adamw"), ("ddp-lamb", "hsdp4-lamb")):
         a, b = records(runs[ddp]), records(runs[fsdp])
         assert sorted(a) == sorted(b) == list(range(1, 21))
         assert_records_close(a, b, range(1, 21))

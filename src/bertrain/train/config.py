@@ -169,6 +169,9 @@ class DistributedConfig:
     else fp32); the sharded master weights and the optimizer stay fp32."""
     fsdp_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fsdp: dtype of the gradient reduce-scatter (16 bits halves its bytes; fp32 keeps gradients exact)."""
+    dp_shard: int = 0
+    """fsdp: ranks that share one copy of the states (0: all ranks). Fewer than the world size is HSDP: states
+    sharded within groups of dp_shard ranks (e.g. one node), replicated across the world / dp_shard groups."""
 
     def __post_init__(self) -> None:
         _check_all([
@@ -177,6 +180,7 @@ class DistributedConfig:
             lambda: _positive("distributed.heartbeat_interval_s", self.heartbeat_interval_s),
             lambda: _positive("distributed.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=True),
             lambda: _positive("distributed.stop_grace_s", self.stop_grace_s),
+            lambda: _positive("distributed.dp_shard", self.dp_shard, allow_zero=True),
             self._check_heartbeat,
         ])
 

@@ -49,13 +49,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def shard_group(params: list[torch.Tensor]) -> Any:
-    """The process group over which `params` are sharded (FSDP2 DTensors), or None for ordinary tensors."""
+    """The process group over which `params` are sharded (FSDP2 DTensors), or None for ordinary tensors. Under
+    HSDP (placements Replicate, Shard) only the shard dimension's group: the replicas hold the same shards."""
     if not params or not isinstance(params[0], DTensor):
         return None
-    p = params[0]
-    assert p.device_mesh.ndim == 1 and all(isinstance(pl, Shard) for pl in p.placements), \
-        f"sharded norms assume a 1-D mesh of shards, got {p.placements}"
-    return p.device_mesh.get_group()
+    placements = params[0].placements
+    dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+    assert len(dims) == 1, f"sharded norms assume one sharded mesh dimension, got {placements}"
+    return params[0].device_mesh.get_group(mesh_dim=dims[0])
 
 
 def full_norms(tensors: list[torch.Tensor], group: Any) -> torch.Tensor:

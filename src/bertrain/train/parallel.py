@@ -36,7 +36,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp_replicate x dp_shard = world size: ddp replicates over every rank, fsdp shards over every rank."""
+    """dp_replicate x dp_shard = world size: ddp replicates over every rank; fsdp shards over `dp_shard` ranks
+    (`distributed.dp_shard`, all by default) and replicates over the rest (HSDP)."""
     dp_replicate: int
     dp_shard: int
 
@@ -63,15 +64,20 @@ class ParallelDims:
         if fsdp and "fp16" in (d.fsdp_param_dtype, d.fsdp_reduce_dtype) and mode != "fp16":
             errors.append("config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling "
                           f"of 'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16")
+        shard = d.dp_shard or world_size
+        if fsdp and (shard < 2 or world_size % shard):
+            errors.append(f"config key 'distributed.dp_shard' ({d.dp_shard}) must divide the world size "
+                          f"({world_size}) and be at least 2: dp_replicate x dp_shard = world size; use 0 for all "
+                          "ranks, or a divisor such as the GPUs per node")
         if not fsdp:
             default = DistributedConfig()
             errors += [f"config key 'distributed.{key}' ({getattr(d, key)}) applies only with distributed.strategy "
                        f"fsdp (it is {d.strategy}); remove it or set the strategy to fsdp"
-                       for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype")
+                       for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype", "dp_shard")
                        if getattr(d, key) != getattr(default, key)]
         if errors:
             raise ValueError("; ".join(errors))
-        return cls(1, world_size) if fsdp else cls(world_size, 1)
+        return cls(world_size // shard, shard) if fsdp else cls(world_size, 1)
 
 
 def mixed_precision_policy(cfg: TrainerConfig) -> MixedPrecisionPolicy:
@@ -91,11 +97,17 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainerConfig, dist: DistInfo) -> nn.Module:
-    """Shard `model` in place with FSDP2 over all ranks (see the module docstring); returns it.
+    """Shard `model` in place with FSDP2 over all ranks, or HSDP with `distributed.dp_shard` (see the module
+    docstring); returns it.
 
     Call before building the optimizer: `fully_shard` replaces the parameters with sharded ones."""
     d = cfg.distributed
-    mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard",))
+    dims = ParallelDims.from_config(cfg, dist.world_size)
+    if dims.dp_replicate > 1:  # HSDP: shard within groups of consecutive ranks (a node), replicate across them
+        mesh = init_device_mesh(dist.device.type, (dims.dp_replicate, dims.dp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard",))
     policy = mixed_precision_policy(cfg)
     layers = transformer_layers(model)
     for i, layer in enumerate(layers):

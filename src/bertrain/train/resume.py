@@ -40,7 +40,7 @@ EXACT_KEYS = ("train.log_interval", "train.trim_padding", "checkpoint.", "data.n
               "distributed.device", "distributed.timeout_s", "distributed.bucket_cap_mb", "distributed.heartbeat",
               "distributed.stop_grace_s", "model_options.", "output_dir", "do_eval", "eval_batch_size",
               # ddp <-> fsdp: the same run (allclose, not bitwise: reduction order); resharding is bitwise
-              "distributed.strategy", "distributed.reshard_after_forward",
+              "distributed.strategy", "distributed.reshard_after_forward", "distributed.dp_shard",
               "data.predict_test", "data.cache_dir", "data.n_best_size", "data.max_answer_length",
               "data.null_score_diff_threshold", "data.dev_file", "data.dev_articles")
 
