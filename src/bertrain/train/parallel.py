@@ -65,7 +65,7 @@ class ParallelDims:
             errors.append("config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling "
                           f"of 'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16")
         shard = d.dp_shard or world_size
-        if fsdp and (shard < 2 or world_size % shard):
+        if fsdp and world_size >= 2 and (shard < 2 or world_size % shard):
             errors.append(f"config key 'distributed.dp_shard' ({d.dp_shard}) must divide the world size "
                           f"({world_size}) and be at least 2: dp_replicate x dp_shard = world size; use 0 for all "
                           "ranks, or a divisor such as the GPUs per node")
