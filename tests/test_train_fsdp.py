@@ -276,7 +276,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path]) -> None:
+def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path], tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
     for ddp, fsdp in (("ddp-lamb", "fsdp-lamb"), ("ddp-adamw", "fsdp4-adamw"), ("ddp-lamb", "hsdp4-lamb")):
         a, b = records(runs[ddp]), records(runs[fsdp])
         assert sorted(a) == sorted(b) == list(range(1, 21))
@@ -289,6 +290,13 @@ def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path]) -> None:
     assert sorted(p.name for p in (step / "dcp").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     assert not (step / "model.safetensors").exists() and ckpt.verify_checkpoint(step) is None
     assert "dcp/__3_0.distcp" in json.loads((step / "manifest.json").read_text())["files"]
+    from bertrain.cli import main
+    for source in (step, runs["fsdp4-adamw"].parent / "no-final"):  # a sharded step, a run folder of them
+        if source.name == "no-final":
+            source.mkdir()
+            (source / "step-20").symlink_to(step, target_is_directory=True)
+        assert main(["export", str(source), str(tmp_path / source.name)]) == 2  # not "no config.json"
+        assert "sharded checkpoints (distributed.strategy: fsdp)" in capsys.readouterr().err
     transformers = pytest.importorskip("transformers")
     hf = transformers.BertForPreTraining.from_pretrained(runs["fsdp-lamb"] / "final")
     ours = final(runs["fsdp-lamb"])
