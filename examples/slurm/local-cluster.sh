@@ -10,7 +10,9 @@
 set -euo pipefail
 cmd=${1:?usage: local-cluster.sh start|stop [STATE_DIR]}
 state=$(realpath -m "${2:-/tmp/bertrain-slurm}")
+# the node's name is what srun's tasks get as the master's host name (SLURM_STEP_NODELIST): it must resolve
 node=$(hostname -s)
+getent hosts "$node" >/dev/null || node=localhost
 
 stop() {
     for daemon in slurmd slurmctld; do
@@ -70,7 +72,7 @@ PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$state/slurm.conf
 slurmctld -i
-slurmd
+slurmd -N "$node"
 # wait until the node is up and idle (slurmd registered)
 for _ in $(seq 60); do
     if sinfo -h -o %t 2>/dev/null | grep -qx idle; then echo "export SLURM_CONF=$SLURM_CONF"; exit 0; fi
