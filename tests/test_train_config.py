@@ -10,7 +10,7 @@ import pytest
 from bertrain.config import load_config
 from bertrain.tasks.pretraining import PretrainConfig
 from bertrain.train.config import TrainConfig, resolve_batch
-from bertrain.train.distributed import first_slurm_host, launch_env
+from bertrain.train.launch import first_slurm_host, launch_env
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {
@@ -138,7 +138,7 @@ def test_launcher_environment_errors_name_the_variable(env: dict[str, str], name
 
 
 def test_layout_check_and_description() -> None:
-    from bertrain.train.distributed import LaunchEnv, check_layout, describe_layout
+    from bertrain.train.launch import LaunchEnv, check_layout, describe_layout
     ranks = [{"pid": 10 + r, "host": "n1", "local_rank": r, "launcher": "openmpi", "device": "cpu"} for r in (0, 1)]
     check_layout(ranks)
     text = describe_layout(LaunchEnv(0, 2, 0, "n1", 1234, "openmpi"), "gloo", ranks)

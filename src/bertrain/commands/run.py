@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bertrain.pipeline.recipe import load_recipe
     from bertrain.pipeline.stages import build_stages, format_plan, plan, run_stages
-    from bertrain.train.distributed import launch_env
+    from bertrain.train.launch import launch_env
 
     recipe = load_recipe(args.recipe, args.overrides)
     stages = build_stages(recipe)  # every engine config is built here: a bad key stops us before any work

@@ -48,7 +48,8 @@ from bertrain.pipeline import downstream
 from bertrain.pipeline.recipe import (Recipe, finetune_config, prepare_config, pretrain_config, recipe_dict)
 from bertrain.train.checkpoint import sha256_file
 from bertrain.train.config import resolve_batch
-from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context, launch_env
+from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.launch import launch_env
 from bertrain.train.resume import EXACT_KEYS
 from bertrain.utils.errors import RunStopped, UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
