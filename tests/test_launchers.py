@@ -285,8 +285,16 @@ def test_torchrun_two_agents_equal_one(setup: dict[str, Path], name: str) -> Non
 
 
 def children(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                                           text=True).stdout.split()]
+    """Child pids of `pid`, from /proc (no dependency on procps), in pid order."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> None:
