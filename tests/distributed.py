@@ -85,6 +85,12 @@ def _launch_cli_once(world_size: int, argv: list[str], timeout: float, cwd: str 
                               env=cli_env(rank_env(r, world_size, port) if world_size > 1 else None),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world_size)]
+    return wait_all(procs, timeout)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Each process's exit code and output (stdout piped, stderr merged); any still running at the end is killed,
+    also when waiting fails or times out."""
     results = []
     try:
         for p in procs:

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import REPO, cli_env, free_port
+from distributed import REPO, cli_env, free_port, wait_all
 
 pytestmark = [pytest.mark.launchers, pytest.mark.slow]
 
@@ -259,18 +259,10 @@ def agents(words: list[str], port: int, config: Path, out: Path, n: int = 2) -> 
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[str]:
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            logs.append(out)
-            assert p.returncode == 0, f"agent failed ({p.returncode}):\n{out[-4000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return logs
+    results = wait_all(procs, timeout)
+    for r in results:
+        assert r.returncode == 0, f"agent failed ({r.returncode}):\n{r.stdout[-4000:]}"
+    return [r.stdout for r in results]
 
 
 @pytest.mark.parametrize("name", ["torchrun static", "torchrun c10d"])

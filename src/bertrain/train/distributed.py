@@ -58,6 +58,8 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     else:
         device = torch.device("cpu")
     backend = None
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local, "device": str(device),
+          "launcher": layout.launcher if layout else None}
     if world > 1 and not torch_dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
         if backend == "nccl" and not use_cuda:
@@ -74,16 +76,14 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
             torch_dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
                                           timeout=timeout)
         # who is who, so that an error about rank r can name its pid and host even if r never said anything else
-        _identities[:] = gather_objects({"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local,
-                                         "launcher": layout.launcher, "device": str(device)})
+        _identities[:] = gather_objects(me)
         check_layout(_identities)
         if rank == 0:
             log.info("%s", describe_layout(layout, backend, _identities))
     elif torch_dist.is_initialized():
         backend = torch_dist.get_backend()
     if layout and world == 1:
-        log.info("%s", describe_layout(layout, None, [{"pid": os.getpid(), "host": socket.gethostname(),
-                                                      "local_rank": local, "device": str(device)}]))
+        log.info("%s", describe_layout(layout, None, [me]))
     if rank != 0:
         _quiet_other_ranks()
     if device.type == "cpu":  # CPU steps re-allocate the same big buffers: keep them (see utils/memory.py)
@@ -108,7 +108,8 @@ _identities: list[dict[str, Any]] = []
 
 
 def rank_identities() -> list[dict[str, Any]]:
-    """Every rank's {"pid", "host"}, in rank order, gathered when the process group was created ([] without one)."""
+    """Every rank's {"pid", "host", "local_rank", "device", "launcher"}, in rank order, gathered when the process
+    group was created ([] without one)."""
     return list(_identities)
 
 

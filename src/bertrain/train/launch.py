@@ -90,8 +90,6 @@ def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
     if layout.rank >= layout.world_size:
         raise ValueError(f"{layout.launcher} environment: rank {layout.rank} is not below the world size "
                          f"{layout.world_size} ({_VARS[layout.launcher]})")
-    if not 0 < layout.master_port < 65536:
-        raise ValueError(f"environment variable MASTER_PORT={layout.master_port} is not a TCP port (1-65535)")
     return layout
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -63,9 +63,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
-def restart_count(env: dict[str, str] | None = None) -> tuple[str, int] | None:
+def restart_count(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
     """(variable, count) when a launcher has restarted this job (count > 0), else None."""
-    env = dict(os.environ) if env is None else env
+    env = os.environ if env is None else env
     for var in RESTART_VARIABLES:
         value = env.get(var, "").strip()
         if value.isdigit() and int(value) > 0:
@@ -74,7 +74,7 @@ def restart_count(env: dict[str, str] | None = None) -> tuple[str, int] | None:
 
 
 def resume_on_restart(resume: str | None, overwrite: bool,
-                      env: dict[str, str] | None = None) -> tuple[str | None, bool]:
+                      env: Mapping[str, str] | None = None) -> tuple[str | None, bool]:
     """The (--resume, --overwrite) a command really uses: after a launcher's restart, `--resume auto` unless a
     checkpoint PATH was given (the first attempt already claimed or replaced the folder, so --overwrite is dropped:
     moving the folder aside now would throw away the checkpoints this restart must continue from)."""
