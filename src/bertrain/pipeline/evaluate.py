@@ -1,5 +1,7 @@
 """The evaluate stage of `bertrain run`: every fine-tuning run's dev-set scores, per task and initialisation, with
-their mean and spread over seeds, the majority-class baseline and — where one exists — the BERT paper's figure.
+their mean and spread over seeds, the majority-class baseline, the BERT paper's figure where one exists, and the
+verdict on the task's primary metric (`bertrain.pipeline.verdict`: does pretraining help, with its interval and the
+chance level).
 
 The scores themselves come from the fine-tuning stages (`run_glue` / `run_squad` score the dev set with the
 official metrics and write eval_results.json); this stage only collects them, so its results.json is the same
@@ -7,13 +9,16 @@ bytes whenever the runs are (no timings in it).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bertrain.pipeline.recipe import Recipe
+from bertrain.pipeline.verdict import decide
 from bertrain.tasks.glue import get_task
+from bertrain.tasks.metrics import PRIMARY_METRIC
 
 # The figures of Devlin et al. 2019 (BERT), in the units our metrics use (GLUE: fractions; SQuAD: percent).
 # GLUE: Table 1, the GLUE server's TEST sets (we score dev: a dev score is usually a point or two higher).
@@ -31,9 +36,12 @@ BERT_PAPER: dict[tuple[str, str, str], float] = {
     ("large", "squad2.0", "exact"): 78.7, ("large", "squad2.0", "f1"): 81.9,
 }
 
-# The metrics shown per GLUE task (the first is the task's headline metric).
-GLUE_METRICS = {"cola": ("mcc",), "mrpc": ("f1", "accuracy"), "qqp": ("f1", "accuracy"),
-                "stsb": ("pearson", "spearmanr")}
+# The metrics shown per GLUE task beside its primary one (PRIMARY_METRIC, shown first).
+OTHER_GLUE_METRICS = {"mrpc": ("accuracy",), "qqp": ("accuracy",), "stsb": ("spearmanr",)}
+
+
+def _primary(task: str) -> str:
+    return PRIMARY_METRIC.get(task, "accuracy")
 
 
 def _spread(values: dict[str, float]) -> dict[str, Any]:
@@ -51,7 +59,7 @@ def _scores(kind: str, results: dict[str, Any]) -> dict[tuple[str, str], float]:
     out = {}
     for split, m in results.items():
         if isinstance(m, dict) and "examples" in m:  # an evaluation split: dev (MNLI: mnli-m, mnli-mm)
-            for metric in GLUE_METRICS.get(results["task"], ("accuracy",)):
+            for metric in (_primary(results["task"]), *OTHER_GLUE_METRICS.get(results["task"], ())):
                 if metric in m:
                     out[(split, metric)] = float(m[metric])
     return out
@@ -60,6 +68,30 @@ def _scores(kind: str, results: dict[str, Any]) -> dict[tuple[str, str], float]:
 def _paper_key(kind: str, task: str, split: str) -> str:
     """The task/split name of BERT_PAPER: the GLUE task for its dev split, else the split (mnli-m, squad1.1)."""
     return task if kind == "glue" and split == "dev" else split
+
+
+def _positive_class_f1(predictions_tsv: Path, positive: str) -> float | None:
+    """F1 of always predicting the positive class: precision = its share p of the dev labels, recall 1, so
+    2p / (1 + p). The labels are read from run_glue's dev predictions file (None when it is absent)."""
+    try:
+        lines = predictions_tsv.read_text(encoding="utf-8").splitlines()[1:]  # index, prediction, label, text...
+    except OSError:
+        return None
+    labels = [line.split("\t")[2] for line in lines if line]
+    p = sum(label == positive for label in labels) / len(labels) if labels else 0.0
+    return 2 * p / (1 + p)
+
+
+def _chance(metric: str, task: str, split: str, majority: float | None, results: dict[str, Any],
+            out_dir: Path) -> tuple[float | None, str]:
+    """(the score of a model that learned nothing, what that model does); the level is None when unknown."""
+    if metric in ("mcc", "pearson", "spearmanr"):
+        return 0.0, "no correlation"
+    if metric == "accuracy":
+        return majority, "majority class"
+    if task == "squad":  # answering nothing: F1 0 in v1.1; in v2.0 each unanswerable question scores 1
+        return 100.0 * results.get("NoAns_total", 0) / results.get("total", 1), "no answer"
+    return _positive_class_f1(out_dir / f"{split}_predictions.tsv", get_task(task).labels[1]), "always positive"
 
 
 def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -74,6 +106,8 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
             for seed in task.seeds:
                 path = run_dir / f"finetune-{task.name}-{init}-s{seed}" / "out" / "eval_results.json"
                 results = json.loads(path.read_text(encoding="utf-8"))
+                task_name = "squad" if task.kind == "squad" else results["task"]
+                dev_counts = results  # what every run of the task shares: SQuAD v2.0's count of unanswerables
                 for key, value in _scores(task.kind, results).items():
                     per.setdefault(key, {}).setdefault(init, {})[str(seed)] = value
                 for split, m in results.items():
@@ -93,5 +127,16 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
                             "paper": paper, "paper_model": recipe.report.paper_model if paper is not None else None,
                             "paper_source": PAPER_SOURCE["squad" if task.kind == "squad" else "glue"]
                             if paper is not None else None})
-        tasks.append({"name": task.name, "kind": task.kind, "seeds": list(task.seeds), "metrics": metrics})
+        # the verdict: the primary metric of each evaluation split (MNLI: matched and mismatched)
+        verdicts = []
+        for m in metrics:
+            if m["metric"] == _primary(task_name):
+                seeds = {init: list(s["seeds"].values()) for init, s in m["by_init"].items()}
+                chance, source = _chance(m["metric"], task_name, m["split"], m["majority_baseline"], dev_counts,
+                                         run_dir / f"finetune-{task.name}-pretrained-s{task.seeds[0]}" / "out")
+                v = decide(seeds.get("pretrained", []), seeds.get("random", []), chance, source,
+                           points_per_unit=1.0 if task.kind == "squad" else 100.0)
+                verdicts.append({"split": m["split"], "metric": m["metric"], **dataclasses.asdict(v)})
+        tasks.append({"name": task.name, "kind": task.kind, "seeds": list(task.seeds), "metrics": metrics,
+                      "verdicts": verdicts})
     return {"tasks": tasks}

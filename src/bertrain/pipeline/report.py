@@ -1,10 +1,12 @@
 """The report stage of `bertrain run`: report.md and one self-contained report.html (no network: the plots are
 matplotlib SVGs written into the page; report.md shows the same SVG files, saved beside it).
 
-Sections: the results (each task's dev scores from pretrained and from random weights, mean +- spread over seeds,
-the majority baseline, the BERT paper's figure where one exists), the stages (wall time, throughput), the
-pretraining curves of each phase (loss, MLM and NSP accuracy, lr, grad norm, loss scale, seq/s), and what it ran
-on: the exact recipe, package versions and hardware.
+Sections: the verdict (per task, on its primary metric: does pretraining help — the difference with its 95% interval
+over seeds, the seeds per side and the chance level; `bertrain.pipeline.verdict`), the results (each task's dev
+scores from pretrained and from random weights, mean +- spread over seeds, the majority baseline, the BERT paper's
+figure where one exists), the stages (wall time, throughput), the pretraining curves of each phase (loss, MLM and
+NSP accuracy, lr, grad norm, loss scale, seq/s), and what it ran on: the exact recipe, package versions and
+hardware.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 import yaml
 
 from bertrain.pipeline.recipe import Recipe, recipe_dict
+from bertrain.pipeline.verdict import INCONCLUSIVE
 
 CURVES = (("loss", "loss (MLM + NSP)"), ("mlm_acc", "MLM accuracy"), ("nsp_acc", "NSP accuracy"), ("lr", "learning rate"),
           ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("seq_per_s", "sequences / s"))
@@ -225,25 +228,32 @@ RESULT_HEADER = ["task", "split", "metric", "pretrained: mean ± sd (min–max, 
 STAGE_HEADER = ["stage", "what", "wall time", "throughput", "finished"]
 
 
+def _verdict_line(task: dict[str, Any], v: dict[str, Any]) -> str:
+    """One task's verdict (`bertrain.pipeline.verdict`) in words, with its numbers in the table's units."""
+    scale = 1.0 if task["kind"] == "squad" else 100.0
+    n_p, n_r = v["seeds"]["pretrained"], v["seeds"]["random"]
+    seeds = (f"{n_p} seed{'s' * (n_p != 1)} per side" if n_p == n_r
+             else f"{n_p} pretrained / {n_r} random-init seed{'s' * (n_r != 1)}")
+    what = v["metric"] if v["split"] == "dev" else f"{v['split']} {v['metric']}"
+    line = f"{task['name']} ({what}): {v['outcome']}"
+    if v["outcome"] == INCONCLUSIVE:
+        line += f" ({v['reason']})"
+    if v["difference"] is not None:
+        line += f": {scale * v['difference']:+.1f} points"
+        if v["interval"] is not None:
+            lo, hi = v["interval"]
+            line += f" ({100 * v['confidence']:g}% CI {scale * lo:+.1f} to {scale * hi:+.1f}, Welch, {seeds})"
+        else:
+            line += f" ({seeds})"
+    sides = [f"{init} {scale * mean:.1f}" for init, mean in v["means"].items() if mean is not None]
+    chance = ("chance level unknown" if v["chance"] is None
+              else f"chance {scale * v['chance']:.1f} ({v['chance_source']})")
+    return line + "; " + ", ".join(sides + [chance])
+
+
 def _verdict(results: dict[str, Any]) -> list[str]:
-    out = []
-    for task in results.get("tasks", []):
-        m = task["metrics"][0] if task["metrics"] else None
-        if not m or "pretrained" not in m["by_init"]:
-            continue
-        p = m["by_init"]["pretrained"]
-        pct = task["kind"] != "squad"
-        line = f"{task['name']} ({m['split']} {m['metric']}): pretrained {_fmt(p['mean'], pct)} ± {_fmt(p['std'], pct)}"
-        r = m["by_init"].get("random")
-        if r is not None:
-            worst_p, best_r = p["min"], r["max"]
-            line += (f" vs random init {_fmt(r['mean'], pct)} ± {_fmt(r['std'], pct)} — "
-                     + ("pretraining helps: every pretrained seed beats every random-init seed"
-                        if worst_p > best_r else "pretraining does not clearly help (the seeds overlap)"))
-        if m.get("majority_baseline") is not None:
-            line += f"; majority class {_fmt(m['majority_baseline'], pct)}"
-        out.append(line)
-    return out
+    """One line per task (per evaluation split of its primary metric) from the evaluate stage's verdicts."""
+    return [_verdict_line(task, v) for task in results.get("tasks", []) for v in task.get("verdicts", [])]
 
 
 def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path) -> Path:

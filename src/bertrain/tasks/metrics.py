@@ -28,6 +28,11 @@ import numpy as np
 
 from bertrain.tasks.glue import TASKS
 
+# The one metric a task is judged by (the report's verdict; fine-tuning's selection metric), by task name ("squad"
+# for both SQuAD versions): the figure GLUE and the BERT paper lead with. A task not listed (SST-2, MNLI, QNLI, RTE,
+# WNLI, a task registered beside GLUE's) is judged by accuracy.
+PRIMARY_METRIC: dict[str, str] = {"squad": "f1", "cola": "mcc", "mrpc": "f1", "qqp": "f1", "stsb": "pearson"}
+
 # ----------------------------------------------------------------------------------------------- SQuAD, shared
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
