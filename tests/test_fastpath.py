@@ -14,7 +14,7 @@ from helpers import ATOL, RTOL, assert_same, grads
 from bertrain.bench.batches import pretraining_batch, qa_batch
 from bertrain.bench.steps import SplitQKV, split_qkv
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
-                                 BertForSequenceClassification, BertModel)
+                                 BertForSequenceClassification, BertLayer, BertModel)
 from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.model.unpad import Jagged, gather_rows, scatter_rows, unpad_indices
 from bertrain.train.optim import Lamb
@@ -103,13 +103,15 @@ def test_unpadded_encoder_general_masks():
     mask[2] = 0              # nothing at all
     ids = ids * mask
     ref = model(ids, attention_mask=mask).last_hidden_state
-    out = model(ids, attention_mask=mask, unpad=True)
+    out = model(ids, attention_mask=mask, reads_padding=False)  # unpadded: `unpad` is on by default
     real = mask.bool()
     torch.testing.assert_close(out.last_hidden_state[real], ref[real], rtol=RTOL, atol=ATOL)
     assert (out.last_hidden_state[~real] == 0).all()
     full = torch.ones_like(mask)  # no padding: unpad falls back to the plain path
-    torch.testing.assert_close(model(ids, attention_mask=full, unpad=True).last_hidden_state,
+    torch.testing.assert_close(model(ids, attention_mask=full, reads_padding=False).last_hidden_state,
                                model(ids, attention_mask=full).last_hidden_state)
+    apply_model_options(model, ModelOptionsConfig(unpad=False))  # the one switch: off, every call is padded
+    assert torch.equal(model(ids, attention_mask=mask, reads_padding=False).last_hidden_state, ref)
 
 
 def count_nests(monkeypatch) -> list[int]:
@@ -157,18 +159,32 @@ def test_jagged_attention_general_masks(empty_row, monkeypatch):
     ref = model(ids, attention_mask=mask).last_hidden_state
     apply_model_options(model, ModelOptionsConfig(jagged_attention=True))
     calls = count_nests(monkeypatch)
-    out = model(ids, attention_mask=mask, unpad=True).last_hidden_state
+    out = model(ids, attention_mask=mask, reads_padding=False).last_hidden_state
     assert calls[0] == (0 if empty_row else 3 * tiny().num_hidden_layers)
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
     assert (out[~real] == 0).all()
 
 
-def test_jagged_attention_with_checkpointing_and_dropout(batch):
+def count_checkpoints(monkeypatch) -> list[int]:
+    """Count the checkpointed layer calls, to prove checkpointing ran (an ignored option would also "pass")."""
+    calls = [0]
+    original = torch.utils.checkpoint.checkpoint
+
+    def checkpoint(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", checkpoint)
+    return calls
+
+
+def test_jagged_attention_with_checkpointing_and_dropout(batch, monkeypatch):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny(dropout=0.1)).train()
     ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=True, seed=7)
+    calls = count_checkpoints(monkeypatch)
     out, g = pretrain_run(model, batch, unpad=True, jagged=True, ckpt=True, seed=7)
+    assert calls[0] == tiny().num_hidden_layers
     torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
     assert_same(g, g_ref, "grad")
 
@@ -235,13 +251,25 @@ def test_question_answering_unpads_only_outside_training(monkeypatch):
 
 
 @pytest.mark.parametrize("unpad", [False, True])
-def test_activation_checkpointing_equals_plain_with_dropout(dbatch, dev, unpad):
+def test_activation_checkpointing_equals_plain_with_dropout(dbatch, dev, unpad, monkeypatch):
+    """Checkpointing applied from outside (per layer, by `apply_model_options`): the same loss and gradients, dropout
+    included; switched off again, the layers are plain `BertLayer`s (nothing wrapped, nothing to pay)."""
     torch.manual_seed(0)
     model = BertForPreTraining(tiny(dropout=0.1)).to(dev).train()
     ref, g_ref = pretrain_run(model, dbatch, unpad=unpad, seed=7)
+    calls = count_checkpoints(monkeypatch)
     out, g = pretrain_run(model, dbatch, unpad=unpad, ckpt=True, seed=7)
+    assert calls[0] == tiny().num_hidden_layers
     torch.testing.assert_close(out.loss, ref.loss, **tol(dev))
     assert_same(g, g_ref, "grad", **tol(dev))
+    with torch.no_grad():  # evaluation: nothing to recompute, no checkpoint
+        model(dbatch["input_ids"], dbatch["token_type_ids"], dbatch["attention_mask"])
+    assert calls[0] == tiny().num_hidden_layers
+    again, g_again = pretrain_run(model, dbatch, unpad=unpad, seed=7)  # switched off
+    assert calls[0] == tiny().num_hidden_layers
+    assert all(type(layer) is BertLayer for layer in model.bert.encoder.layer)
+    torch.testing.assert_close(again.loss, ref.loss, **tol(dev))
+    assert_same(g_again, g_ref, "grad", **tol(dev))
 
 
 def test_split_qkv_ablation_equals_fused(batch):
@@ -300,12 +328,15 @@ COMPILE = os.environ.get("BERTRAIN_TEST_COMPILE") == "1"
                                         "on the 2-core CI machine, over the suite's time budget; "
                                         "set BERTRAIN_TEST_COMPILE=1 to run it")
 @pytest.mark.parametrize("jagged", [False, True])
-def test_compiled_layers_equal_eager(batch, jagged):
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_compiled_layers_equal_eager(batch, jagged, ckpt):
+    """Per-layer compile, alone and over per-layer checkpointing (torchtitan's order: compile traces through the
+    checkpointed layer), equals eager."""
     torch.manual_seed(0)
     model = BertForPreTraining(tiny())
     ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=jagged)
-    apply_model_options(model, ModelOptionsConfig(jagged_attention=jagged, compile=True))
-    out, g = pretrain_run(model, batch, unpad=True, jagged=jagged)
+    apply_model_options(model, ModelOptionsConfig(jagged_attention=jagged, gradient_checkpointing=ckpt, compile=True))
+    out, g = pretrain_run(model, batch, unpad=True, jagged=jagged, ckpt=ckpt)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5)
@@ -313,6 +344,6 @@ def test_compiled_layers_equal_eager(batch, jagged):
     b2 = pretraining_batch(tiny(), 6, 40, seed=11)
     model2 = BertForPreTraining(tiny())
     model2.load_state_dict({k.replace("._orig_mod", ""): v for k, v in model.state_dict().items()})
-    out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged)
+    out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged, ckpt=ckpt)
     ref2, _ = pretrain_run(model2, b2, unpad=True, jagged=jagged)
     torch.testing.assert_close(out2.loss, ref2.loss, rtol=1e-4, atol=1e-5)

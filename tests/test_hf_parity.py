@@ -241,3 +241,38 @@ def test_our_init_loads_in_hf_identically(tmp_path):
     hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
     x = batch()
     assert_close(ours(**x).prediction_logits, hf(**x).prediction_logits, "prediction_logits")
+
+
+def test_checkpointed_model_saves_and_loads_unchanged(tmp_path):
+    """Activation checkpointing is applied in place (per layer, by `apply_model_options`): `save_pretrained` writes
+    the same weights under the same names, which `transformers` and our `from_pretrained` load with every key
+    matched, computing what the model computes; a plain model's state dict loads into a checkpointed one."""
+    from safetensors.torch import load_file
+
+    path, hf = hf_folder(tmp_path, transformers.BertForPreTraining, "hf")
+    plain = BertForPreTraining.from_pretrained(path).eval()
+    ours = apply_model_options(BertForPreTraining.from_pretrained(path),
+                               ModelOptionsConfig(gradient_checkpointing=True)).eval()
+    ours.load_state_dict(plain.state_dict())  # strict: the same keys
+    ours.save_pretrained(tmp_path / "ckpt")
+    plain.save_pretrained(tmp_path / "plain")
+    a, b = load_file(tmp_path / "ckpt" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    back_hf, info = transformers.BertForPreTraining.from_pretrained(tmp_path / "ckpt", attn_implementation="eager",
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    back = BertForPreTraining.from_pretrained(tmp_path / "ckpt")
+    assert back.loading_info == {"initialized": [], "missing_keys": [], "unexpected_keys": []}
+    x = batch()
+    labels = torch.full_like(x["input_ids"], -100)
+    labels[0, [1, 4]], labels[2, 1] = torch.tensor([7, 8]), 11
+    nsp = torch.tensor([0, 1, 1])  # HF computes a loss only with both labels
+    o = ours(**x, labels=labels, next_sentence_label=nsp)  # eval mode, grad on: checkpointed
+    r = hf(**x, labels=labels, next_sentence_label=nsp)
+    assert_close(o.prediction_logits, r.prediction_logits, "prediction_logits")
+    assert_close(o.loss, r.loss, "loss")
+    o.loss.backward()
+    r.loss.backward()
+    compare_grads(ours, hf)
+    for model in (back_hf.eval(), back.eval()):
+        assert_close(model(**x).prediction_logits, r.prediction_logits, "prediction_logits, reloaded")

@@ -1,12 +1,14 @@
 """The model on its own: config and presets, shapes, masks, losses, vocabulary padding, heads."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 
 import pytest
 import torch
 from helpers import assert_same, grads
+from test_fastpath import count_checkpoints
 
 from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
 from bertrain.bench.batches import pretraining_batch
@@ -16,7 +18,8 @@ from bertrain.model.bert import PRESETS
 from bertrain.model.hf import config_from_hf_dict, config_from_json_file, config_to_hf_dict
 from bertrain.model.losses import (classification_loss_sums, mean_from_sums, pretraining_loss_sums,
                                    qa_loss_sums)
-from bertrain.model.options import ModelOptionsConfig, apply_model_options
+from bertrain.model.options import CheckpointedBertLayer, ModelOptionsConfig, apply_model_options
+from bertrain.train.optim import param_groups
 
 V = 101  # a small vocabulary that is not a multiple of 8
 
@@ -260,6 +263,41 @@ def test_dropout_only_in_training():
     assert torch.equal(model(ids, tt, mask).last_hidden_state, model(ids, tt, mask).last_hidden_state)
     model.train()
     assert not torch.equal(model(ids, tt, mask).last_hidden_state, model(ids, tt, mask).last_hidden_state)
+
+
+def options_applied(model: BertForPreTraining) -> tuple:
+    """What `apply_model_options` sets: the encoder's two switches and each encoder layer's class."""
+    return model.bert.unpad, model.bert.jagged_attention, [type(layer) for layer in model.bert.encoder.layer]
+
+
+def test_checkpointing_is_applied_from_outside_in_place_and_twice_is_once(monkeypatch):
+    """Activation checkpointing is applied per encoder layer by `apply_model_options` (the model file has no flag
+    for it), in place: parameter names, state_dict keys and the optimizer's no-decay groups (by name) are the plain
+    model's. Applying the options twice is applying them once (the trainer applies them again to the model gathered
+    back from FSDP shards, a deep copy of the model as it was before sharding): one checkpoint per layer."""
+    torch.manual_seed(0)
+    plain = BertForPreTraining(tiny())
+    model = copy.deepcopy(plain)
+    options = ModelOptionsConfig(unpad=False, jagged_attention=True, gradient_checkpointing=True)
+    assert apply_model_options(model, options) is model
+    assert all(type(layer) is CheckpointedBertLayer for layer in model.bert.encoder.layer)
+    assert not any(hasattr(m, "gradient_checkpointing") for m in model.modules())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+    def grouped(m: torch.nn.Module) -> list[list[str]]:
+        names = {id(p): n for n, p in m.named_parameters()}
+        return [[names[id(p)] for p in g["params"]] for g in param_groups(m, 0.01)]
+    assert grouped(model) == grouped(plain)
+
+    once = options_applied(model)
+    apply_model_options(model, options)
+    gathered = apply_model_options(copy.deepcopy(model), options)
+    assert options_applied(model) == options_applied(gathered) == once
+    calls = count_checkpoints(monkeypatch)
+    ids, tt, mask = random_batch()
+    gathered(ids, tt, mask, labels=ids, next_sentence_label=torch.tensor([0, 1, 0, 1])).loss.backward()
+    assert calls[0] == tiny().num_hidden_layers
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu", "gelu_pytorch_tanh"])

@@ -87,12 +87,11 @@ class InferenceGraph(nn.Module):
 def padded_path(model: nn.Module) -> Iterator[None]:
     """Switch the model's encoder to the padded path for the block (see `InferenceGraph`)."""
     encoder = getattr(model, "bert", model)
-    saved = encoder.unpad, encoder.jagged_attention
-    encoder.unpad, encoder.jagged_attention = False, False
+    saved, encoder.unpad = encoder.unpad, False  # the one unpadding switch (jagged attention is for unpadded runs)
     try:
         yield
     finally:
-        encoder.unpad, encoder.jagged_attention = saved
+        encoder.unpad = saved
 
 
 def export_graph(model: nn.Module, path: Path, opset: int = OPSET) -> None:

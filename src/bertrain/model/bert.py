@@ -12,14 +12,16 @@ decoder matmuls get tensor-core friendly shapes. The extra embedding rows and de
 stay zero (no input id reaches them and the logits are sliced back to `vocab_size` before any loss), so exporting
 by slicing and importing by zero-padding is lossless.
 
-Fast paths (each tested equal to the plain path in tests/test_fastpath.py, measured in BENCHMARKS.md), switched by
-`bertrain.model.options.apply_model_options`, which sets the plain attributes of `BertModel` read here:
-* `unpad`: embeddings, projections, FFN and LayerNorms run on the real tokens only, a flat (N, H) tensor, wherever
-  no output depends on padding (pretraining with masked positions, classification, QA outside training).
-  `BertModel.forward` picks the batch's `AttentionLayout` (bertrain.model.unpad) once; every layer takes it.
-* `jagged_attention`: unpadded attention on nested (jagged) tensors: no padding anywhere.
-* `gradient_checkpointing`: recompute each layer in the backward pass instead of keeping its activations.
-* compile: `apply_model_options` torch.compiles every encoder layer with dynamic shapes (one graph for all lengths).
+This file says what the model computes, not how it is run. The fast paths (each tested equal to the plain path in
+tests/test_fastpath.py, measured in BENCHMARKS.md) are switched by `bertrain.model.options.apply_model_options`:
+* `BertModel.unpad`, the one unpadding switch: embeddings, projections, FFN and LayerNorms run on the real tokens
+  only, a flat (N, H) tensor, in every call whose caller reads no output at a padding position
+  (`BertModel.forward(..., reads_padding=False)`: pretraining with masked positions, classification, QA outside
+  training). `BertModel.forward` picks the batch's `AttentionLayout` (bertrain.model.unpad) once; every layer
+  takes it.
+* `BertModel.jagged_attention`: unpadded attention on nested (jagged) tensors: no padding anywhere.
+* activation checkpointing and compile are applied from outside, per encoder layer (`apply_model_options`, as
+  torchtitan's parallelize functions do): this file has no flag for them.
 Losses are the functions of `bertrain.model.losses` that the trainer uses: a head's `.loss` is their sum divided by
 the local count of targets.
 """
@@ -31,7 +33,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from bertrain.model.losses import classification_loss_sums, mean_from_sums, pretraining_loss_sums, qa_loss_sums
@@ -268,15 +269,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout, gradient_checkpointing: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
         for layer in self.layer:
-            if gradient_checkpointing and torch.is_grad_enabled():
-                # keep only each layer's input; recompute the rest in backward (dropout replays its RNG state)
-                # (the recompute check compares saved tensors' shapes, which nested tensors do not have)
-                x = torch.utils.checkpoint.checkpoint(layer, x, layout, use_reentrant=False,
-                                                      determinism_check="default" if layout.jagged is None else "none")
-            else:
-                x = layer(x, layout)
+            x = layer(x, layout)                                           # (B, T, H), or (N, H) unpadded
         return x
 
 
@@ -356,27 +351,30 @@ class BertModel(BertPreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
-        # Speed options, read by `forward` and the heads; `apply_model_options` sets them (these are its defaults).
-        self.unpad = True                    # heads run unpadded where no output depends on padding
+        # Speed options, read by `forward`; `apply_model_options` sets them (these are its defaults).
+        # One switch for unpadding, and it is this option; a call's `reads_padding` says only which outputs its caller
+        # reads (a fact about the call, as nanoGPT's forward computes the last position's logits only when given no
+        # targets): the head knows what it reads, the option decides whether to skip what nobody reads.
+        self.unpad = True                    # calls with reads_padding=False run on the real tokens only
         self.jagged_attention = False        # unpadded runs: attention on nested (jagged) tensors
-        self.gradient_checkpointing = False  # recompute each layer's activations in the backward pass
         self.init_weights()
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, unpad: bool = False) -> BertModelOutput:
-        """unpad=True: compute on the real tokens only (see the module docstring); the outputs at real tokens are
-        those of the padded path, `last_hidden_state` is 0 at padding positions (the padded path gives values there
-        that depend on the padding and that nothing should use)."""
+                attention_mask: torch.Tensor | None = None, reads_padding: bool = True) -> BertModelOutput:
+        """reads_padding=False: the caller reads no output at a padding position, so with `self.unpad` the encoder
+        computes on the real tokens only (see the module docstring): the outputs at real tokens are those of the
+        padded path, `last_hidden_state` is 0 at padding positions (the padded path gives values there that depend
+        on the padding and that nothing should use). The default computes every position, as HF's BertModel."""
         B, T = input_ids.shape
         if T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        layout = attention_layout(attention_mask, unpad=unpad, jagged=self.jagged_attention)
+        layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention)
         x = self.embeddings(layout.flatten(input_ids), layout.flatten(token_type_ids),
                             layout.position_ids(input_ids))               # (B, T, H), or (N, H) unpadded
-        x = self.encoder(x, layout, self.gradient_checkpointing)          # (B, T, H), or (N, H) unpadded
+        x = self.encoder(x, layout)                                        # (B, T, H), or (N, H) unpadded
         h = layout.to_padded(x, T)                                         # (B, T, H)
         return BertModelOutput(last_hidden_state=h, pooler_output=self.pooler(h) if self.pooler else None)
 
@@ -431,9 +429,8 @@ class BertForPreTraining(BertPreTrainedModel):
                 next_sentence_label: torch.Tensor | None = None) -> BertForPreTrainingOutput:
         """masked_positions (B, P): run the (vocabulary-wide, expensive) MLM head only there; `labels` is then
         (B, P) aligned with it, else (B, T). -100 = ignore. next_sentence_label (B,): 0 IsNext, 1 random, -100."""
-        # With masked_positions nothing reads the padding positions' outputs: run unpadded.
-        out = self.bert(input_ids, token_type_ids, attention_mask,
-                        unpad=self.bert.unpad and masked_positions is not None)
+        # With masked_positions nothing reads the padding positions' outputs.
+        out = self.bert(input_ids, token_type_ids, attention_mask, reads_padding=masked_positions is None)
         h = out.last_hidden_state                                          # (B, T, H)
         if masked_positions is not None:
             index = masked_positions.unsqueeze(-1).expand(-1, -1, h.size(-1))  # (B, P, H)
@@ -469,7 +466,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
-        pooled = self.bert(input_ids, token_type_ids, attention_mask, unpad=self.bert.unpad).pooler_output  # (B, H)
+        pooled = self.bert(input_ids, token_type_ids, attention_mask, reads_padding=False).pooler_output  # (B, H)
         logits = self.classifier(self.dropout(pooled))                    # (B, num_labels)
         loss = None
         if labels is not None:
@@ -494,10 +491,11 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
                 end_positions: torch.Tensor | None = None) -> QuestionAnsweringOutput:
-        unpad = self.bert.unpad and not self.training and attention_mask is not None
-        h = self.bert(input_ids, token_type_ids, attention_mask, unpad=unpad).last_hidden_state  # (B, T, H)
-        logits = self.qa_outputs(h)                                        # (B, T, 2)
-        if unpad:
+        reads_padding = self.training  # HF's loss sees the padding positions' logits
+        out = self.bert(input_ids, token_type_ids, attention_mask, reads_padding=reads_padding)
+        logits = self.qa_outputs(out.last_hidden_state)                    # (B, T, 2)
+        if self.bert.unpad and not reads_padding and attention_mask is not None:
+            # unpadded: padding has no hidden state of its own (0 there), so no logit of its own either
             logits = logits.masked_fill(~attention_mask.bool()[..., None], -10000.0)
         start_logits, end_logits = logits.unbind(dim=-1)                   # 2 x (B, T)
         loss = None

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.utils.checkpoint
 from torch import nn
+
+from bertrain.model.bert import BertLayer
+from bertrain.model.unpad import AttentionLayout
 
 
 @dataclass
@@ -15,23 +20,48 @@ class ModelOptionsConfig:
     unpad: bool = True
     """Run the encoder on the real tokens only where no output depends on padding (pretraining with masked
     positions, classification; QA only outside training: HF's loss sees the padding positions' logits, so QA
-    training keeps padding, and inference gives padding a logit of -10000, which changes no prediction)."""
+    training keeps padding, and inference gives padding a logit of -10000, which changes no prediction). Sets
+    `BertModel.unpad`, the one unpadding switch."""
     jagged_attention: bool = False
     """Unpadded runs: attention on nested (jagged) tensors, no padding even inside attention (SDPA's
     variable-length flash kernel on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md)."""
     gradient_checkpointing: bool = False
-    """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute); only
+    where grad is enabled (no cost in evaluation)."""
     compile: bool = False
     """torch.compile each encoder layer (dynamic shapes; worth it on GPU, minutes of compile time on CPU)."""
 
 
+class CheckpointedBertLayer(BertLayer):
+    """A `BertLayer` that keeps only its input for the backward pass and recomputes the rest there.
+
+    `apply_model_options` turns a layer into one in place (it sets the layer's class, as FSDP2's `fully_shard`
+    does), not by wrapping it as torch's `checkpoint_wrapper` does: the parameters keep their names, so the
+    state_dict, the HF export, checkpoint folders and the optimizer's grouping by name see the same model. Like
+    torchtitan's block wrapper, FSDP2 shards the layer around it and compile traces through it."""
+
+    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # nothing to keep for a backward pass: nothing to recompute
+            return super().forward(x, layout)
+        # Dropout draws the same numbers again (checkpoint restores the RNG state). The recompute check compares
+        # the saved tensors' shapes, which nested (jagged) tensors do not have.
+        return torch.utils.checkpoint.checkpoint(super().forward, x, layout, use_reentrant=False,
+                                                 determinism_check="default" if layout.jagged is None else "none")
+
+
 def apply_model_options(model: nn.Module, options: ModelOptionsConfig) -> nn.Module:
-    """Switch `model`'s speed options in place (any bertrain model: the encoder or a model with a head); the model
-    reads them at every forward. Returns `model`."""
+    """Switch `model`'s speed options in place (any bertrain model: the encoder or a model with a head); returns
+    `model`. Idempotent (the trainer applies them again to the model gathered back from FSDP shards); call it before
+    sharding. Unpadding and jagged attention are attributes the encoder reads at every forward; checkpointing and
+    compile are applied per encoder layer, from outside (a layer without them is a plain `BertLayer`)."""
     encoder = getattr(model, "bert", model)  # a head's encoder, or the encoder itself
     encoder.unpad = options.unpad
     encoder.jagged_attention = options.jagged_attention
-    encoder.gradient_checkpointing = options.gradient_checkpointing
+    for layer in encoder.encoder.layer:
+        if type(layer) not in (BertLayer, CheckpointedBertLayer):
+            raise TypeError(f"apply_model_options: an encoder layer is a {type(layer).__name__}; apply the options "
+                            f"to the plain model, before sharding it")
+        layer.__class__ = CheckpointedBertLayer if options.gradient_checkpointing else BertLayer
     if options.compile:
         # Per layer, with dynamic shapes: the token count N and the padded length T' are symbolic, so one graph
         # serves every batch (T' is a multiple of 8, which bounds the specialisations).
