@@ -1,21 +1,29 @@
-"""`bertrain prepare`: corpora -> sharded token store (+ static MLM/NSP instances), see bertrain.data.prepare."""
+"""`bertrain prepare`: corpora -> sharded token store (+ static MLM/NSP instances, + a held-out set), see
+bertrain.data.prepare; `--add-heldout DIR` gives a store prepared without a held-out set one."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.prepare import PrepareConfig, add_heldout, prepare
 from bertrain.data.readers import CorpusConfig
 from bertrain.data.samples import SampleConfig
+from bertrain.utils.errors import UserError
 
 HELP = "tokenize corpora into a sharded token store and (--masking static) pretraining instances"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--input", nargs="+", required=True, metavar="PATH", help="files, folders, globs or builtin:python-docs")
-    a("--output", required=True, metavar="DIR", help="output folder (refused if it exists, unless --overwrite)")
-    a("--vocab-file", required=True, metavar="FILE", help="WordPiece vocab.txt")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", nargs="+", metavar="PATH", help="files, folders, globs or builtin:python-docs")
+    what.add_argument("--add-heldout", metavar="DIR",
+                      help="instead of preparing: give the store DIR, prepared without a held-out set (before they "
+                           "existed, or with --heldout-fraction 0), the one a fresh prepare would make, from its own "
+                           "shards (no input needed; the old folder is moved aside to DIR.replaced-<time>; only "
+                           "--heldout-* and --workers apply, the rest is as recorded in DIR)")
+    a("--output", metavar="DIR", help="output folder (refused if it exists, unless --overwrite); required with --input")
+    a("--vocab-file", metavar="FILE", help="WordPiece vocab.txt; required with --input")
     a("--max-seq-length", type=int, default=128)
     a("--max-predictions-per-seq", type=int, default=20)
     a("--masked-lm-prob", type=float, default=0.15)
@@ -40,11 +48,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--keep-disambiguation", dest="skip_disambiguation", action="store_false",
       help="Wikipedia: keep disambiguation pages")
     a("--shard-tokens", type=int, default=1 << 25, help="tokens per shard")
+    a("--heldout-fraction", type=float, default=0.01,
+      help="share of the documents set aside (by a hash of their content) in OUTPUT/heldout for evaluation, never "
+           "trained on; 0 disables it (default 0.01)")
+    a("--heldout-min-documents", type=int, default=10,
+      help="at least this many held-out documents; a corpus where that is over 10%% of its documents gets no "
+           "held-out set (default 10)")
     a("--overwrite", action="store_true",
       help="replace an existing output folder (moved aside to OUTPUT.replaced-<time>, not deleted)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.add_heldout is not None:
+        if args.output is not None or args.vocab_file is not None:
+            raise UserError("--add-heldout DIR works on DIR with its own vocab.txt: drop --output and --vocab-file")
+        stats = add_heldout(args.add_heldout, args.heldout_fraction, args.heldout_min_documents, args.workers)
+        print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
+        return 0
+    missing = [flag for flag, v in (("--output", args.output), ("--vocab-file", args.vocab_file)) if v is None]
+    if missing:
+        raise UserError(f"prepare --input needs {' and '.join(missing)}")
     sample = SampleConfig(max_seq_length=args.max_seq_length, max_predictions_per_seq=args.max_predictions_per_seq,
                           masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
                           whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence)
@@ -54,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, overwrite=args.overwrite, shard_tokens=args.shard_tokens,
         corpus=CorpusConfig(input_format=args.input_format, text_field=args.text_field,
                             min_document_chars=args.min_document_chars, dedupe=args.dedupe,
-                            skip_disambiguation=args.skip_disambiguation, encoding=args.encoding))
+                            skip_disambiguation=args.skip_disambiguation, encoding=args.encoding),
+        heldout_fraction=args.heldout_fraction, heldout_min_documents=args.heldout_min_documents)
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0

@@ -1,4 +1,5 @@
-"""Pretraining batches for the trainer: `PretrainingDataset` (samples of a prepared folder) and its loader.
+"""Pretraining batches for the trainer: `PretrainingDataset` (samples of a prepared folder) and its loader, and
+`HeldoutEvalSet` (the fixed evaluation samples of the folder's held-out documents).
 
 A sample is built by `bertrain.data.samples` (dynamic: at training time; static: read from the instances `prepare`
 materialised) and a micro-batch is the dict of ARCHITECTURE.md ("Pretraining batches"). `PretrainingLoader` is the
@@ -8,6 +9,7 @@ DataLoader worker processes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
@@ -18,10 +20,12 @@ import torch
 from bertrain.data.sampler import RankSampler, ResumableLoader
 from bertrain.data.samples import (NSP_NONE, ROW_HEADER, InstanceBuilder, SampleConfig, find_static,
                                    open_instances)
-from bertrain.data.store import TokenStore, read_store_meta
+from bertrain.data.store import TokenStore, heldout_status, read_store_meta
 from bertrain.data.tokenizer import check_tokenizer_identity
 
 Masking = Literal["static", "dynamic"]
+EVAL_SEED = 20251
+"""The default seed of the held-out evaluation samples (blocks, masks, NSP pairs): not a training seed's default."""
 
 
 def rows_to_batch(rows: np.ndarray, sample: SampleConfig) -> dict[str, torch.Tensor]:
@@ -147,3 +151,65 @@ class PretrainingLoader(ResumableLoader):
                                          num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                          multiprocessing_context="spawn" if os.name != "posix" else None)
         return iter(dl)
+
+
+class HeldoutEvalSet:
+    """The fixed MLM + NSP evaluation samples of a prepared folder's held-out documents (`prepare` sets them aside
+    in DIR/heldout; never trained on), as the batch dicts of the training loader.
+
+    Built once by the dynamic `InstanceBuilder` on the held-out store, epoch 0, with `eval_seed` for the blocks,
+    the masks and the NSP pairs: a pure function of (held-out store, `sample`, `eval_seed`, `max_samples`), so a
+    loss on it at step N is comparable across steps, runs, world sizes and resumes; it does not depend on the
+    training seed, epoch or masking mode. `max_samples` blocks evenly spaced over the held-out documents (all of
+    them when None or fewer). A folder without a held-out set is a `ValueError` saying why (check first with
+    `store.heldout_status(data_dir)`, which a trainer turns into a warning).
+
+    `batches(b, rank, world_size)`: rank r of W evaluates the contiguous slice `rank_slice(r, W)` (the slices in
+    rank order are the whole set), padded to `ceil(len / W)` rows with copies whose labels are all -100, so every
+    rank runs the same number of micro-batches (FSDP needs it) and the padding adds nothing to any loss sum or
+    target count: summed over ranks, the sums are those of world size 1.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, sample: SampleConfig = SampleConfig(),
+                 eval_seed: int = EVAL_SEED, max_samples: int | None = None):
+        status = heldout_status(data_dir)
+        if status.dir is None:
+            raise ValueError(status.reason)
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+        self.sample = sample
+        self.eval_seed = eval_seed
+        self.dir = status.dir
+        self.record = status.record
+        builder = InstanceBuilder(TokenStore(status.dir), sample, eval_seed)
+        self.tokenizer_identity: str = builder.store.meta["tokenizer_identity"]
+        n = builder.n_blocks
+        m = n if max_samples is None else min(max_samples, n)
+        self.block_ids = np.arange(m, dtype=np.int64) * n // m  # distinct, spread over every held-out document
+        self.rows = builder.build(0, self.block_ids)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def rank_slice(self, rank: int, world_size: int) -> tuple[int, int]:
+        """[lo, hi): the samples that rank `rank` of `world_size` evaluates (contiguous; ranks in order = all)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        per_rank = math.ceil(len(self) / world_size)
+        return min(rank * per_rank, len(self)), min((rank + 1) * per_rank, len(self))
+
+    def batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+        """Rank `rank`'s micro-batches: its slice, padded (see the class docstring); the same number on every rank."""
+        lo, hi = self.rank_slice(rank, world_size)
+        rows = self.rows[lo:hi]
+        pad = math.ceil(len(self) / world_size) - len(rows)
+        if pad:
+            filler = np.repeat(self.rows[:1], pad, axis=0)
+            filler[:, 2], filler[:, 3] = NSP_NONE, 0  # no NSP label, no masked prediction: labels -100
+            rows = np.concatenate([rows, filler])
+        for i in range(0, len(rows), micro_batch_size):
+            yield rows_to_batch(rows[i: i + micro_batch_size], self.sample)
+
+    def check_tokenizer(self, vocab_file: str | os.PathLike, do_lower_case: bool) -> None:
+        """Raise `ValueError` unless the held-out store was tokenized with `vocab_file` and this casing."""
+        check_tokenizer_identity(self.tokenizer_identity, vocab_file, do_lower_case, str(self.dir))

@@ -5,6 +5,8 @@ Layout of a prepared folder::
     DIR/store.json               index: format, version, tokenizer identity, shards with sizes and CRC32s, totals
     DIR/shards/shard-00000.bts   one shard (below)
     DIR/static-.../              materialised static instances (bertrain.data.samples)
+    DIR/heldout/                 the held-out documents (never trained on): a token store of the same layout, its
+                                 stats.json the record of the split (`heldout_status`; absent in older folders)
     DIR/stats.json               written last: its presence marks a complete folder
 
 A shard file is a 64-byte header followed by three arrays, each starting at an 8-byte aligned offset::
@@ -20,12 +22,13 @@ catches a damaged header at open and the body CRC (checked by `verify`) a damage
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sIIQQQI")  # magic, version, itemsize, n_tokens, n_sentences, n_documents, body crc
 STORE_FORMAT = "bertrain-token-store"
 STORE_VERSION = 1
+HELDOUT_DIR = "heldout"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -209,6 +213,49 @@ class TokenStore:
         """The sentences (id arrays) of document `d` (for inspection and tests)."""
         s0, s1 = self.document_starts[d], self.document_starts[d + 1]
         return [self.tokens_at(np.arange(self.sentence_starts[s], self.sentence_starts[s + 1])) for s in range(s0, s1)]
+
+
+def document_hashes(shard: Shard) -> np.ndarray:
+    """One 64-bit content hash per document of `shard` (uint64): the first 8 bytes (big-endian) of the BLAKE2b of
+    the document's token ids as stored. What decides the held-out split (`bertrain.data.prepare`): the same for the
+    same document whatever the worker count, chunk size or input order, equal for equal documents (duplicates are
+    on the same side), and computable from any store, one prepared before held-out sets existed included."""
+    tok_at = np.asarray(shard.sentence_offsets)[np.asarray(shard.document_offsets)] * shard.tokens.itemsize
+    data = memoryview(shard.tokens).cast("B") if len(shard.tokens) else memoryview(b"")
+    digests = b"".join(hashlib.blake2b(data[a:b], digest_size=8).digest()
+                       for a, b in zip(tok_at[:-1].tolist(), tok_at[1:].tolist()))
+    return np.frombuffer(digests, dtype=">u8").astype(np.uint64)
+
+
+@dataclass
+class HeldoutStatus:
+    """Whether a prepared folder has a held-out set: `dir` (its token store) or None and `reason` (why not)."""
+
+    dir: Path | None
+    reason: str = ""
+    record: dict[str, Any] = field(default_factory=dict)
+    """stats.json's "heldout" entry: the rule, fraction, minimum, counts and the digest of the documents' hashes."""
+
+
+def heldout_status(data_dir: str | os.PathLike) -> HeldoutStatus:
+    """The held-out set of a complete prepared folder, or why it has none: prepared before held-out sets existed
+    (train on it, without evaluation, or add one: `bertrain prepare --add-heldout DIR`), disabled, or a corpus too
+    small for one. A `ValueError` if the folder is not a complete prepared folder."""
+    data_dir = Path(data_dir)
+    read_store_meta(data_dir)
+    try:
+        stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {data_dir / 'stats.json'}: {e} (re-run prepare with --overwrite)") from None
+    record = stats.get("heldout")
+    if record is None:
+        return HeldoutStatus(None, f"{data_dir} was prepared before held-out sets existed (its stats.json has no "
+                                   f"'heldout' entry): add one with `bertrain prepare --add-heldout {data_dir}`")
+    if not record.get("dir"):
+        return HeldoutStatus(None, f"{data_dir} has no held-out set: {record.get('reason')}", record)
+    path = data_dir / record["dir"]
+    read_store_meta(path)  # complete, or a ValueError naming what is wrong
+    return HeldoutStatus(path, "", record)
 
 
 def read_store_meta(data_dir: Path, require_complete: bool = True) -> dict[str, Any]:
