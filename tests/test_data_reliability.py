@@ -30,8 +30,7 @@ from bertrain.data.tokenizer import SPECIAL_TOKENS, VOCAB_STATS, WordCounter, _b
 from bertrain.utils.errors import OutputError, UserError
 from bertrain.utils.rundir import OutputLock, lock_path
 from conftest import REPO, shared_file
-from test_data_store import VOCAB, cfg, digest
-from test_data_tokenizer import EDGE_CASES
+from helpers import EDGE_CASES, TINY_VOCAB, digest, prepare_config
 
 # Pangrams: every letter in a handful of words, so many pairs are equally frequent (ties everywhere). HF's trainer
 # alone gave another vocabulary on almost every run of this text.
@@ -132,7 +131,7 @@ def test_main_job_data_side_reproducible(tmp_path):
     digests = []
     for i, threads in enumerate((1, 3)):
         vocab_in_subprocess(["builtin:python-docs"], tmp_path / f"v{i}", threads, i, "--vocab-size", "8192")
-        prepare(cfg(tmp_path / f"d{i}", vocab_file=str(tmp_path / f"v{i}" / "vocab.txt"), masking="dynamic",
+        prepare(prepare_config(tmp_path / f"d{i}", vocab_file=str(tmp_path / f"v{i}" / "vocab.txt"), masking="dynamic",
                     shard_tokens=1 << 25))
         digests.append(digest(tmp_path / f"d{i}"))
     assert digests[0] == digests[1]
@@ -174,7 +173,7 @@ def binary_file(tmp_path) -> Path:
 def test_binary_input_refused_naming_file_and_offset(tmp_path, capsys, command):
     (tmp_path / "good.txt").write_text(PANGRAMS)
     binary = binary_file(tmp_path)
-    extra = ["--vocab-file", VOCAB, "--workers", "1"] if command == "prepare" else []
+    extra = ["--vocab-file", TINY_VOCAB, "--workers", "1"] if command == "prepare" else []
     code, _, err = run_cli(capsys, command, "--input", tmp_path / "good.txt", binary, "--output", tmp_path / "o",
                            *extra)
     line = one_line_error(err)
@@ -198,14 +197,15 @@ def test_latin1_refused_then_read_exactly_with_encoding(tmp_path, capsys):
     (tmp_path / "lat" / "fr.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
     (tmp_path / "utf" / "fr.txt").write_bytes(LATIN1_TEXT.encode("utf-8"))
     code, _, err = run_cli(capsys, "prepare", "--input", tmp_path / "lat", "--output", tmp_path / "o",
-                           "--vocab-file", VOCAB, "--workers", "1", "--masking", "none")
+                           "--vocab-file", TINY_VOCAB, "--workers", "1", "--masking", "none")
     line = one_line_error(err)
     assert code == 2 and "fr.txt is not utf-8 text" in line and "byte offset 6 (b'Le caf\\xe9" in line
     assert "--encoding latin-1" in line
     for enc in ("latin-1", "cp1252"):
-        a = prepare(cfg(tmp_path / f"lat-{enc}", inputs=[str(tmp_path / "lat")], corpus=CorpusConfig(encoding=enc), masking="none"))
+        a = prepare(prepare_config(tmp_path / f"lat-{enc}", inputs=[str(tmp_path / "lat")],
+                                   corpus=CorpusConfig(encoding=enc), masking="none"))
         assert a["encoding"] == enc and a["replaced_characters"] == 0
-        prepare(cfg(tmp_path / f"utf-{enc}", inputs=[str(tmp_path / "utf")], masking="none"))
+        prepare(prepare_config(tmp_path / f"utf-{enc}", inputs=[str(tmp_path / "utf")], masking="none"))
         assert [v for k, v in digest(tmp_path / f"lat-{enc}").items() if "shards" in k] == \
                [v for k, v in digest(tmp_path / f"utf-{enc}").items() if "shards" in k]
     a = train_vocab([str(tmp_path / "lat")], tmp_path / "vl", vocab_size=200, lowercase=False,
@@ -213,7 +213,7 @@ def test_latin1_refused_then_read_exactly_with_encoding(tmp_path, capsys):
     b = train_vocab([str(tmp_path / "utf")], tmp_path / "vu", vocab_size=200, lowercase=False)
     assert a.read_bytes() == b.read_bytes() and "é" in a.read_text()
     with pytest.raises(ValueError, match="convert the files to UTF-8"):
-        PrepareConfig(inputs=["x"], output="o", vocab_file=VOCAB, corpus=CorpusConfig(encoding="utf-16"))
+        PrepareConfig(inputs=["x"], output="o", vocab_file=TINY_VOCAB, corpus=CorpusConfig(encoding="utf-16"))
     with pytest.raises(ValueError, match="unknown encoding"):
         CorpusConfig(encoding="no-such-codec")
 
@@ -221,7 +221,7 @@ def test_latin1_refused_then_read_exactly_with_encoding(tmp_path, capsys):
 def test_few_invalid_bytes_replaced_and_counted_in_stats_and_vocab_output(tmp_path, capsys):
     text = PANGRAMS.encode() * 5 + b"One bad \xff byte and a cut \xe2\x82 sequence here.\n"  # 2 of ~2.6k bytes
     (tmp_path / "a.txt").write_bytes(text)
-    stats = prepare(cfg(tmp_path / "o", inputs=[str(tmp_path / "a.txt")], masking="none"))
+    stats = prepare(prepare_config(tmp_path / "o", inputs=[str(tmp_path / "a.txt")], masking="none"))
     assert stats["replaced_characters"] == 2
     assert stats["skipped"]["problems"][str(tmp_path / "a.txt")]["replaced_characters"] == 2
     assert json.loads((tmp_path / "o" / "stats.json").read_text())["replaced_characters"] == 2
@@ -261,7 +261,7 @@ def test_prepare_disk_full_keeps_finished_shards_resumable(tmp_path, monkeypatch
     shard is deleted, the finished one stays in data.partial, and the same command then resumes from it."""
     disk_full_at_shard(monkeypatch, "shard-00001.bts")
     out = tmp_path / "data"
-    argv = ("prepare", "--input", "builtin:python-docs", "--output", out, "--vocab-file", VOCAB, "--workers", "1",
+    argv = ("prepare", "--input", "builtin:python-docs", "--output", out, "--vocab-file", TINY_VOCAB, "--workers", "1",
             "--dupe-factor", "2", "--shard-tokens", "30000")
     code, _, err = run_cli(capsys, *argv)
     line = one_line_error(err)
@@ -280,12 +280,12 @@ def test_prepare_disk_full_keeps_finished_shards_resumable(tmp_path, monkeypatch
 
 def test_prepare_disk_full_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     ref = tmp_path / "ref"
-    prepare(cfg(ref))
+    prepare(prepare_config(ref))
     disk_full_at_shard(monkeypatch, "shard-00002.bts")
     with pytest.raises(OutputError, match="No space left"):
-        prepare(cfg(tmp_path / "data"))
+        prepare(prepare_config(tmp_path / "data"))
     monkeypatch.undo()
-    prepare(cfg(tmp_path / "data"))
+    prepare(prepare_config(tmp_path / "data"))
     assert digest(tmp_path / "data") == digest(ref)
 
 
@@ -293,7 +293,7 @@ def test_prepare_disk_too_small_for_static_instances_refused_before_writing(tmp_
     real = shutil.disk_usage
     monkeypatch.setattr(prep.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(OutputError) as e:
-        prepare(cfg(tmp_path / "data"))
+        prepare(prepare_config(tmp_path / "data"))
     msg = str(e.value)
     assert "writing the static instances" in msg and "No space left" in msg and "MiB needed" in msg
     assert "finished shards" in msg
@@ -304,7 +304,7 @@ def test_prepare_disk_too_small_for_static_instances_refused_before_writing(tmp_
 def test_prepare_disk_full_while_workers_write_instances_removes_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(prep.os, "pwrite", enospc)
     with pytest.raises(OutputError, match="writing the static instances.*No space left"):
-        prepare(cfg(tmp_path / "data"))
+        prepare(prepare_config(tmp_path / "data"))
     assert not list((tmp_path / "data.partial").rglob(".instances.bin.tmp"))
 
 
@@ -324,7 +324,7 @@ def test_vocab_disk_full_leaves_the_old_vocab_untouched(tmp_path, monkeypatch):
 def test_output_where_a_file_is_in_the_way(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     for argv in (("vocab", "--input", "builtin:python-docs"),
-                 ("prepare", "--input", "builtin:python-docs", "--vocab-file", VOCAB)):
+                 ("prepare", "--input", "builtin:python-docs", "--vocab-file", TINY_VOCAB)):
         code, _, err = run_cli(capsys, *argv, "--output", tmp_path / "file" / "out")
         line = one_line_error(err)
         assert code == 2 and "a file is in the way" in line
@@ -337,7 +337,7 @@ def test_read_only_output_folder(tmp_path, capsys):
     ro.chmod(0o500)
     try:
         for argv in (("vocab", "--input", "builtin:python-docs"),
-                     ("prepare", "--input", "builtin:python-docs", "--vocab-file", VOCAB)):
+                     ("prepare", "--input", "builtin:python-docs", "--vocab-file", TINY_VOCAB)):
             code, _, err = run_cli(capsys, *argv, "--output", ro / "out")
             line = one_line_error(err)
             assert code == 2 and "Permission denied" in line and "no permission" in line
@@ -353,7 +353,7 @@ def test_missing_input_empty_folder_and_folder_without_text(tmp_path, capsys):
     (tmp_path / "empties" / "b.txt").write_bytes(b"\n\n   \n")
     cases = [(tmp_path / "missing.txt", "does not exist"), (tmp_path / "hidden", "contains no files"),
              (tmp_path / "empties", "no text")]
-    for command, extra in (("vocab", []), ("prepare", ["--vocab-file", VOCAB, "--workers", "1"])):
+    for command, extra in (("vocab", []), ("prepare", ["--vocab-file", TINY_VOCAB, "--workers", "1"])):
         for path, gist in cases:
             code, _, err = run_cli(capsys, command, "--input", path, "--output", tmp_path / "o", *extra)
             line = one_line_error(err)
@@ -377,10 +377,10 @@ def test_bad_input_after_finished_shards_removes_the_partial_build(tmp_path):
     (tmp_path / "in").mkdir()
     shutil.copy(binary_file(tmp_path), tmp_path / "in" / "zz-binary.txt")
     out = tmp_path / "data"
-    prepare(cfg(out, masking="none"))
+    prepare(prepare_config(out, masking="none"))
     before = digest(out)
     with pytest.raises(UserError, match="zz-binary.txt is not text"):
-        prepare(cfg(out, inputs=["builtin:python-docs", str(tmp_path / "in")], overwrite=True))
+        prepare(prepare_config(out, inputs=["builtin:python-docs", str(tmp_path / "in")], overwrite=True))
     assert not (tmp_path / "data.partial").exists() and digest(out) == before
 
 
@@ -388,11 +388,11 @@ def test_inspect_interrupted_or_damaged_folder_one_line(tmp_path, capsys, monkey
     out = tmp_path / "data"
     disk_full_at_shard(monkeypatch, "shard-00001.bts")
     with pytest.raises(OutputError):
-        prepare(cfg(out))
+        prepare(prepare_config(out))
     monkeypatch.undo()
     code, _, err = run_cli(capsys, "inspect", out)
     assert code == 2 and "interrupted prepare" in one_line_error(err)
-    prepare(cfg(out, masking="none"))
+    prepare(prepare_config(out, masking="none"))
     (out / "stats.json").write_text("{not json")
     code, _, err = run_cli(capsys, "inspect", out)
     line = one_line_error(err)
@@ -409,22 +409,22 @@ def test_kill_9_in_the_middle_of_a_shard_then_resume_gives_the_same_bytes(tmp_pa
         f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
         "from bertrain.data.store import ShardWriter\n"
         "from bertrain.data.prepare import prepare\n"
-        "from test_data_store import cfg\n"
+        "from helpers import prepare_config\n"
         "real = ShardWriter.add\n"
         "def add(self, *a):\n"
         "    real(self, *a)\n"
         "    if self.path.name == 'shard-00002.bts':\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "ShardWriter.add = add\n"
-        f"prepare(cfg({str(out)!r}))\n")
+        f"prepare(prepare_config({str(out)!r}))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     partial = tmp_path / "data.partial"
     assert not out.exists() and (partial / "shards" / ".shard-00002.bts.tmp").exists()
-    prepare(cfg(out))
+    prepare(prepare_config(out))
     ref = tmp_path / "ref"
-    prepare(cfg(ref))
+    prepare(prepare_config(ref))
     assert digest(out) == digest(ref) and not partial.exists()
 
 
@@ -434,19 +434,19 @@ def test_mistyped_input_keeps_an_interrupted_build(tmp_path, monkeypatch):
     out = tmp_path / "data"
     disk_full_at_shard(monkeypatch, "shard-00002.bts")
     with pytest.raises(OutputError):
-        prepare(cfg(out))
+        prepare(prepare_config(out))
     monkeypatch.undo()
     partial = tmp_path / "data.partial"
     before = digest(partial)
     with pytest.raises(UserError, match="does not exist"):
-        prepare(cfg(out, inputs=["builtin:python-docs", str(tmp_path / "typo.txt")]))
+        prepare(prepare_config(out, inputs=["builtin:python-docs", str(tmp_path / "typo.txt")]))
     assert digest(partial) == before
     processed = []
     real_tok = prep._tokenize_chunk
     monkeypatch.setattr(prep, "_tokenize_chunk", lambda c: processed.append(1) or real_tok(c))
-    prepare(cfg(out))
+    prepare(prepare_config(out))
     resumed = len(processed)
-    prepare(cfg(tmp_path / "fresh"))
+    prepare(prepare_config(tmp_path / "fresh"))
     assert 0 < resumed <= len(processed) - resumed - 2 and not partial.exists()  # 2 shards' chunks not redone
 
 
@@ -463,13 +463,13 @@ def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_pa
         assert holder.stdout.readline().strip() == "locked"
         t0 = time.monotonic()
         with pytest.raises(UserError, match=rf"in use by `bertrain prepare` \(pid {holder.pid} on "):
-            prepare(cfg(out))
+            prepare(prepare_config(out))
         assert time.monotonic() - t0 < 5  # at once, not after a wait
         assert not (tmp_path / "data.partial").exists()
     finally:
         holder.kill()
         holder.wait()
-    prepare(cfg(out, masking="none"))  # the dead holder's lock is taken over
+    prepare(prepare_config(out, masking="none"))  # the dead holder's lock is taken over
     with OutputLock(tmp_path / "v", "vocab"):
         with pytest.raises(UserError, match=r"in use by `bertrain vocab` \(pid"):
             train_vocab(["builtin:python-docs"], tmp_path / "v", vocab_size=300)
@@ -479,9 +479,9 @@ def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_pa
 
 def test_prepare_overwrite_moves_the_old_output_aside(tmp_path):
     out = tmp_path / "data"
-    prepare(cfg(out, masking="none"))
+    prepare(prepare_config(out, masking="none"))
     old = digest(out)
-    prepare(cfg(out, masking="dynamic", overwrite=True, seed=7))
+    prepare(prepare_config(out, masking="dynamic", overwrite=True, seed=7))
     moved = list(tmp_path.glob("data.replaced-*"))
     assert len(moved) == 1 and digest(moved[0]) == old and (moved[0] / "stats.json").is_file()
     TokenStore(out)
@@ -500,12 +500,12 @@ def test_partial_build_of_another_command_is_discarded_with_its_static_instances
 
     monkeypatch.setattr(prep, "atomic_write_json", die_at_stats)
     with pytest.raises(KeyboardInterrupt):
-        prepare(cfg(out))
+        prepare(prepare_config(out))
     monkeypatch.setattr(prep, "atomic_write_json", real)
     (tmp_path / "small.txt").write_text(PANGRAMS * 20)
-    stats = prepare(cfg(out, inputs=[str(tmp_path / "small.txt")]))
+    stats = prepare(prepare_config(out, inputs=[str(tmp_path / "small.txt")]))
     ref = tmp_path / "ref"
-    prepare(cfg(ref, inputs=[str(tmp_path / "small.txt")]))
+    prepare(prepare_config(ref, inputs=[str(tmp_path / "small.txt")]))
     assert digest(out) == digest(ref) and stats["num_documents"] == 60
 
 
@@ -522,7 +522,7 @@ def test_progress_log_lines_when_not_a_terminal(caplog):
 def test_prepare_and_vocab_report_progress_of_every_phase(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(progress_mod, "LOG_INTERVAL", 0.0)
     with caplog.at_level(logging.INFO):
-        prepare(cfg(tmp_path / "d"))
+        prepare(prepare_config(tmp_path / "d"))
         train_vocab(["builtin:python-docs"], tmp_path / "v", vocab_size=300)
     text = caplog.text
     assert "prepare: tokenizing:" in text and "(100%)" in text
@@ -536,7 +536,7 @@ def test_per_file_warnings_capped_with_a_summary_line(tmp_path, caplog):
         (tmp_path / "in" / f"empty{i:02d}.txt").write_bytes(b"")
     (tmp_path / "in" / "good.txt").write_text(PANGRAMS)
     with caplog.at_level(logging.WARNING):
-        prepare(cfg(tmp_path / "o", inputs=[str(tmp_path / "in")], masking="none"))
+        prepare(prepare_config(tmp_path / "o", inputs=[str(tmp_path / "in")], masking="none"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 11 and "... and 15 more files with problems" in warnings[-1]
     stats = json.loads((tmp_path / "o" / "stats.json").read_text())

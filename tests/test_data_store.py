@@ -1,7 +1,6 @@
 """prepare + token store: stats, determinism, overwrite refusal, resume after a kill, corruption detection."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -12,32 +11,17 @@ import pytest
 
 import bertrain.data.prepare as prep
 from bertrain.cli import main as cli_main
-from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.prepare import prepare
 from bertrain.data.pretraining import PretrainingDataset
 from bertrain.data.store import ShardWriter, TokenStore
 from bertrain.data.tokenizer import load_tokenizer
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-VOCAB = str(ASSETS / "vocab-tiny.txt")
-
-
-def cfg(out, **kw) -> PrepareConfig:
-    base = dict(inputs=["builtin:python-docs"], output=str(out), vocab_file=VOCAB, dupe_factor=2, workers=1,
-                shard_tokens=30_000, chunk_bytes=50_000)
-    base.update(kw)
-    return PrepareConfig(**base)
-
-
-def digest(folder: Path) -> dict[str, str]:
-    """Hashes of every data file (stats.json holds timings, so it is left out)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "stats.json"}
+from helpers import TINY_VOCAB, digest, prepare_config
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "data"
-    prepare(cfg(out))
+    prepare(prepare_config(out))
     return out
 
 
@@ -53,16 +37,16 @@ def test_stats_and_store_contents(reference):
     ds = PretrainingDataset(reference, masking="dynamic")
     assert stats["num_instances"] == 2 * len(ds)
     # token ids decode back to the text of the first document
-    first = load_tokenizer(VOCAB).decode(np.concatenate(store.document(0)).tolist())
+    first = load_tokenizer(TINY_VOCAB).decode(np.concatenate(store.document(0)).tolist())
     assert "assert" in first.split()[:5]
 
 
 def test_same_seed_same_bytes_whatever_the_worker_count(reference, tmp_path):
     out = tmp_path / "again"
-    prepare(cfg(out, workers=2))
+    prepare(prepare_config(out, workers=2))
     assert digest(out) == digest(reference)
     other = tmp_path / "seed"
-    prepare(cfg(other, seed=1))
+    prepare(prepare_config(other, seed=1))
     a, b = digest(other), digest(reference)
     inst = [[v for k, v in d.items() if k.endswith("instances.bin")] for d in (a, b)]
     assert inst[0] != inst[1]  # another seed, other samples
@@ -71,12 +55,12 @@ def test_same_seed_same_bytes_whatever_the_worker_count(reference, tmp_path):
 
 def test_refuses_to_overwrite_unless_asked(reference, tmp_path):
     out = tmp_path / "d"
-    prepare(cfg(out, masking="dynamic"))
+    prepare(prepare_config(out, masking="dynamic"))
     before = digest(out)
     with pytest.raises(ValueError, match="--overwrite"):
-        prepare(cfg(out, masking="dynamic"))
+        prepare(prepare_config(out, masking="dynamic"))
     assert digest(out) == before
-    prepare(cfg(out, overwrite=True))  # replaced, now with static instances
+    prepare(prepare_config(out, overwrite=True))  # replaced, now with static instances
     assert digest(out) == digest(reference)
 
 
@@ -93,7 +77,7 @@ def test_killed_prepare_resumes_and_matches(reference, tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(ShardWriter, "close", dying_close)
     with pytest.raises(KeyboardInterrupt):
-        prepare(cfg(out))
+        prepare(prepare_config(out))
     assert not out.exists()  # nothing half-written looks complete
     partial = out.with_name("k.partial")
     assert len(list((partial / "shards").glob("*.bts"))) == 2 and not list((partial / "shards").glob(".*tmp"))
@@ -104,12 +88,12 @@ def test_killed_prepare_resumes_and_matches(reference, tmp_path, monkeypatch, ca
     real_tok = prep._tokenize_chunk
     monkeypatch.setattr(prep, "_tokenize_chunk", lambda c: processed.append(1) or real_tok(c))
     with caplog.at_level(logging.INFO):
-        prepare(cfg(out))
+        prepare(prepare_config(out))
     assert "resuming" in caplog.text and "2 shards" in caplog.text
     assert digest(out) == digest(reference)
     assert not partial.exists()
     resumed = len(processed)
-    prepare(cfg(tmp_path / "fresh"))
+    prepare(prepare_config(tmp_path / "fresh"))
     total = len(processed) - resumed
     assert 0 < resumed <= total - 4, (resumed, total)  # the chunks of the 2 finished shards were not redone
 
@@ -145,12 +129,12 @@ def test_bad_inputs_reported_in_stats_and_empty_corpus_refused(tmp_path):
     (tmp_path / "in" / "a.txt").write_bytes(b"A good sentence here. Another \xff one follows.\n\n" * 50
                                             + b"Plain text that is fine. " * 200)  # 50 bad bytes of 7400: < 1%
     (tmp_path / "in" / "empty.txt").write_bytes(b"")
-    stats = prepare(cfg(tmp_path / "o", inputs=[str(tmp_path / "in")]))
+    stats = prepare(prepare_config(tmp_path / "o", inputs=[str(tmp_path / "in")]))
     problems = stats["skipped"]["problems"]
     assert problems[str(tmp_path / "in" / "a.txt")]["replaced_characters"] == 50
     assert problems[str(tmp_path / "in" / "empty.txt")]["empty_files"] == 1
     with pytest.raises(ValueError, match="no text left"):
-        prepare(cfg(tmp_path / "o2", inputs=[str(tmp_path / "in" / "empty.txt")]))
+        prepare(prepare_config(tmp_path / "o2", inputs=[str(tmp_path / "in" / "empty.txt")]))
     assert not (tmp_path / "o2").exists()
 
 

@@ -10,6 +10,7 @@ import pytest
 from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
 from bertrain.data.tokenizer import FastBertEncoder, load_tokenizer
 from conftest import shared_file
+from helpers import EDGE_CASES
 
 TINY_VOCAB = Path(__file__).parent / "assets" / "vocab-tiny.txt"
 
@@ -34,20 +35,6 @@ def assert_same(vocab: Path, lower: bool, sentences: list[str], max_cache: int =
             ids, lens = enc.encode_sentences(sentences)
             assert lens.tolist() == [len(r) for r in ref]
             assert ids.tolist() == [i for r in ref for i in r]
-
-
-EDGE_CASES = [
-    "Hello, World! It's 3.5% of $100 -- (maybe) [x] {y} <z> a_b a`b a~b a^b a|b a\\b a@b a#b a&b a*b a+b a=b",
-    "ctrl\x00chars\x01in\x07the\x0bmiddle\x0cof\x1cwords\x1d\x1e\x1fand\x7fdel",
-    "tab\there\rcarriage  two  spaces\u00a0nbsp\u3000ideographic\u2009thin\u200bzero\u200dwidth\ufeffbom\ufffdrepl",
-    "Café naïve résumé Ångström Straße ΟΔΟΣ Σίσυφος İstanbul ǅungla ﬁne Ⅻ ①",
-    "CJK 中文字符和日本語のテキスト 한국어 mixed漢字words",
-    "Accents combining: e\u0301 a\u0300\u0323 .\u0301 \u0301alone",
-    "emoji 😀👍🏽 and math 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and symbols ©®™ – — “quoted” ‘single’ «guillemets» …",
-    "a" * 199 + " " + "b" * 200 + " " + "c" * 201 + " " + "é" * 201 + " " + "Z" * 250,
-    "unknownish ⟁⟂⟃ ꙮ \U0001F9FF words",
-    "", "   ", "\x00\x01", "!!!", "...and... ???",
-]
 
 
 @pytest.mark.parametrize("lower", [True, False])

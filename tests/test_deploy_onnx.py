@@ -61,7 +61,7 @@ def test_export_writes_a_verified_onnx_folder(deploy_models):
 
 
 def _compare(model, onnx_dir, items, keys):
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
 
     want = Predictor(model, batch_size=16).predict(items)
     got = Predictor(onnx_dir, batch_size=16, backend="onnxruntime").predict(items)

@@ -80,7 +80,7 @@ def clients(deploy_models):
 
     from bertrain.deploy.config import ServeConfig
     from bertrain.deploy.server import create_app
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
 
     cfg = ServeConfig(max_batch_size=8, max_wait_ms=1, max_request_bytes=4096)
     cls = Predictor(deploy_models["cls"], batch_size=8)
@@ -159,7 +159,7 @@ def test_short_load_test_every_answer_checked(deploy_models):
     """4 concurrent clients for 3 s (at most 120 requests of 2 items) against `bertrain serve --backend
     onnxruntime` on 127.0.0.1: nothing lost, every answer the offline prediction."""
     from bertrain.deploy.loadtest import mrpc_items, run_load, running_server
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
 
     items = mrpc_items(shared_file("glue/MRPC/dev.tsv"), limit=40)
     expected = Predictor(deploy_models["cls"]).predict(items)  # offline, PyTorch
@@ -178,7 +178,7 @@ def test_sigterm_answers_every_request_in_flight(deploy_models):
     import httpx
 
     from bertrain.deploy.loadtest import mrpc_items, running_server, same_prediction
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
 
     items = mrpc_items(shared_file("glue/MRPC/dev.tsv"), limit=6)
     expected = Predictor(deploy_models["cls"]).predict(items)

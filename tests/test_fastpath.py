@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import ATOL, RTOL, assert_same, grads
+from helpers import ATOL, RTOL, assert_same, count_checkpoints, grads
 
 from bertrain.bench.batches import pretraining_batch, qa_batch
 from bertrain.bench.steps import SplitQKV, split_qkv
@@ -17,7 +17,6 @@ from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestion
                                  BertForSequenceClassification, BertLayer, BertModel)
 from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.model.unpad import Jagged, gather_rows, scatter_rows, unpad_indices
-from bertrain.train.optim import Lamb
 
 # Every test that takes `dev` also runs on CUDA when there is a GPU (the "device run" of issue 6): fp32 there too,
 # with a looser tolerance (different kernels on each side: SDPA with and without a mask, reductions in other orders).
@@ -166,18 +165,6 @@ def test_jagged_attention_general_masks(empty_row, monkeypatch):
     assert (out[~real] == 0).all()
 
 
-def count_checkpoints(monkeypatch) -> list[int]:
-    """Count the checkpointed layer calls, to prove checkpointing ran (an ignored option would also "pass")."""
-    calls = [0]
-    original = torch.utils.checkpoint.checkpoint
-
-    def checkpoint(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", checkpoint)
-    return calls
-
-
 def test_jagged_attention_with_checkpointing_and_dropout(batch, monkeypatch):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny(dropout=0.1)).train()
@@ -294,31 +281,6 @@ def test_bf16_autocast_unpadded_close_to_padded(batch):
             outs.append(model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                               masked_positions=batch["masked_positions"], labels=batch["masked_labels"]).loss)
     torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("nvlamb", [False, True])
-def test_multi_tensor_lamb_equals_per_tensor_loop(nvlamb):
-    """Lamb's two forms (multi-tensor for CUDA, per-tensor, the CPU default) take the same steps. (Each is also
-    checked against the paper's algorithm in test_train_optim.py.)"""
-    torch.manual_seed(0)
-    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
-    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    a[-1].data.zero_()  # a zero weight: trust ratio 1
-    b[-1].data.zero_()
-    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.01}, {"params": ps[2:], "weight_decay": 0.0}]
-    fast = Lamb(groups(a), lr=1e-2, nvlamb=nvlamb, foreach=True)
-    ref = Lamb(groups(b), lr=1e-2, nvlamb=nvlamb, foreach=False)
-    for step in range(4):
-        g = [torch.randn(s) for s in shapes]
-        for p, x in zip(a, g):
-            p.grad = x.clone()
-        for p, x in zip(b, g):
-            p.grad = x.clone()
-        fast.step()
-        ref.step()
-        for p, q in zip(a, b):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 COMPILE = os.environ.get("BERTRAIN_TEST_COMPILE") == "1"

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same, grads
-from test_fastpath import count_checkpoints
+from helpers import assert_same, count_checkpoints, grads
 
 from bertrain import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification, BertModel
 from bertrain.bench.batches import pretraining_batch

@@ -1,5 +1,5 @@
-"""Fine-tuning end to end (tiny model: seconds; real MiniLM: a short slice), resume, distributed evaluation
-without duplicates, v2.0 on hand-made unanswerable questions, and `bertrain predict`."""
+"""Fine-tuning end to end (tiny model: seconds; real MiniLM: a short slice), resume, two ranks, v2.0 on hand-made
+unanswerable questions, and `bertrain predict` on the fine-tuned models (sharded evaluation: test_tasks_evaluate.py)."""
 from __future__ import annotations
 
 import io
@@ -7,16 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, shared_file
-from distributed import launch_cli, spawn
+from conftest import shared_file
+from distributed import launch_cli
+from helpers import TINY, save_tiny_model, squad_v2_fixture, write_rte_like
 
 from bertrain.cli import main
-from bertrain.tasks.evaluate import merge_gathered, shard_for_eval
 
 XQUAD = "squad/xquad-en-part1.json"
 
@@ -24,112 +23,7 @@ XQUAD = "squad/xquad-en-part1.json"
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A randomly initialised tiny BERT (2 layers, hidden 64) with the test vocab, in HF format."""
-    from bertrain.model.bert import BertConfig, BertModel
-    from bertrain.model.hf import tokenizer_files_from_vocab
-
-    torch.manual_seed(0)
-    vocab = ASSETS / "vocab-tiny.txt"
-    n = sum(1 for _ in open(vocab, encoding="utf-8"))
-    model = BertModel(BertConfig.from_preset("tiny", vocab_size=n))
-    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    model.save_pretrained(d)
-    return d
-
-
-WORDS = "the cat dog sat on a mat in house with and over people family".split()
-
-
-def _sentence(rng, k=6) -> str:
-    return " ".join(rng.choice(WORDS, size=k))
-
-
-def write_rte_like(d: Path, n_train=24, n_dev=10, n_test=7, task_labels=("entailment", "not_entailment"),
-                   mnli=False) -> Path:
-    """A small GLUE-layout pair task: label = whether the two sentences share their first word (learnable)."""
-    rng = np.random.default_rng(0)
-    d.mkdir(parents=True, exist_ok=True)
-
-    def rows(n, labelled):
-        out = []
-        for i in range(n):
-            a, b = _sentence(rng), _sentence(rng)
-            if i % 2 == 0:
-                b = a.split()[0] + " " + b
-            lab = task_labels[0] if i % 2 == 0 else task_labels[-1]
-            out.append((str(i), a, b, lab))
-        return out
-
-    def write(name, n, labelled):
-        if mnli:
-            header = "index\tpromptID\tpairID\tgenre\ta\tb\tc\td\tsentence1\tsentence2" + ("\tgold_label" if labelled else "")
-            lines = [header] + [f"{i}\tp\tp\tg\t(\t(\t(\t(\t{a}\t{b}" + (f"\t{lab}" if labelled else "")
-                                for i, a, b, lab in rows(n, labelled)]
-        else:
-            header = "index\tsentence1\tsentence2" + ("\tlabel" if labelled else "")
-            lines = [header] + [f"{i}\t{a}\t{b}" + (f"\t{lab}" if labelled else "") for i, a, b, lab in rows(n, labelled)]
-        (d / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-    if mnli:
-        write("train.tsv", n_train, True)
-        write("dev_matched.tsv", n_dev, True)
-        write("dev_mismatched.tsv", n_dev + 1, True)
-        write("test_matched.tsv", n_test, False)
-        write("test_mismatched.tsv", n_test + 2, False)
-    else:
-        write("train.tsv", n_train, True)
-        write("dev.tsv", n_dev, True)
-        write("test.tsv", n_test, False)
-    return d
-
-
-TINY = ["--train.micro_batch_size", "4", "--eval_batch_size", "8", "--train.log_interval", "1",
-        "--optim.lr", "1e-3"]
-
-
-# ----------------------------------------------------------------------------------------------- pure pieces
-
-@pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (2, 4), (8, 4), (1, 1)])
-def test_merge_gathered_drops_padding_duplicates(n, world):
-    shards = [shard_for_eval(n, r, world) for r in range(world)]
-    assert len({len(s) for s in shards}) == 1  # equal counts on every rank (collectives need it)
-    parts = [(s, (s * 10.0, np.stack([s, s], axis=1))) for s in shards]
-    a, b = merge_gathered(parts, n)
-    assert np.array_equal(a, np.arange(n) * 10.0) and b.shape == (n, 2)
-    with pytest.raises(RuntimeError, match="covered"):  # a rank's part lost, or a wrong total
-        merge_gathered(parts[:-1] if world > 1 else parts, n + 1)
-
-
-class _EchoModel(torch.nn.Module):
-    """Outputs each example's first token id: lets the test see exactly which example produced which output."""
-
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
-        class Out:
-            logits = input_ids[:, :1].float() * 1.0
-        return Out()
-
-
-def _gather_worker(rank: int, world: int, n: int, out_dir: str) -> None:
-    from bertrain.tasks.evaluate import distributed_forward
-    from bertrain.train.distributed import cleanup, init_distributed
-
-    dist = init_distributed()
-    try:
-        ids = np.arange(n, dtype=np.int64)[:, None].repeat(4, axis=1) + 100
-        feats = {"input_ids": ids, "token_type_ids": np.zeros_like(ids), "attention_mask": np.ones_like(ids)}
-        (out,) = distributed_forward(_EchoModel(), feats, lambda o: (o.logits,), dist, batch_size=2)
-        np.save(Path(out_dir) / f"rank{rank}.npy", out)
-    finally:
-        cleanup()
-
-
-@pytest.mark.slow
-def test_distributed_eval_two_processes_no_duplicates(tmp_path):
-    n = 7  # not a multiple of the world size: the sampler pads rank 1 with a duplicate
-    spawn(_gather_worker, 2, n, str(tmp_path))
-    for r in range(2):
-        out = np.load(tmp_path / f"rank{r}.npy")
-        assert out[:, 0].tolist() == [100.0 + i for i in range(n)]
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 # ----------------------------------------------------------------------------------------------- SQuAD
@@ -164,26 +58,9 @@ def test_squad_v1_end_to_end(tmp_path, tiny_model, capsys):
     assert official == pytest.approx({"exact_match": results["exact_match"], "f1": results["f1"]})
 
 
-def _v2_fixture(path: Path, n_paragraphs: int) -> Path:
-    """Hand-made SQuAD v2.0: in each paragraph one answerable and two unanswerable questions."""
-    paras = []
-    for i in range(n_paragraphs):
-        name = ["ann", "bob", "cat", "dan", "eve", "fay"][i % 6]
-        ctx = f"{name} sat on the mat in the house with people . the dog sat over the family ."
-        paras.append({"context": ctx, "qas": [
-            {"id": f"p{i}-who", "question": "who sat on the mat ?", "is_impossible": False,
-             "answers": [{"text": name, "answer_start": 0}]},
-            {"id": f"p{i}-no1", "question": "who sat with the cat ?", "is_impossible": True, "answers": [],
-             "plausible_answers": [{"text": "the dog", "answer_start": ctx.index("the dog")}]},
-            {"id": f"p{i}-no2", "question": "and a family house ?", "is_impossible": True, "answers": []},
-        ]})
-    path.write_text(json.dumps({"version": "v2.0", "data": [{"title": "fixture", "paragraphs": paras}]}))
-    return path
-
-
 def test_squad_v2_end_to_end_with_unanswerable(tmp_path, tiny_model, capsys):
-    train = _v2_fixture(tmp_path / "train-v2.json", 6)
-    dev = _v2_fixture(tmp_path / "dev-v2.json", 3)
+    train = squad_v2_fixture(tmp_path / "train-v2.json", 6)
+    dev = squad_v2_fixture(tmp_path / "dev-v2.json", 3)
     out = tmp_path / "run"
     assert main(["finetune", "squad", "--version-2-with-negative", "--train", str(train), "--dev", str(dev),
                  "--init", str(tiny_model), "--output", str(out), "--data.max_seq_length", "64", "--data.max_query_length", "16",
@@ -307,7 +184,7 @@ def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, caps
     assert res["dev"]["examples"] == 64 and {"accuracy", "f1", "majority_baseline_accuracy"} <= set(res["dev"])
     assert res["train_examples"] == 48 and res["train_steps"] == 3 and "test_predictions" not in res
     # the exported model predicts with the task's label names, from the Python API
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
     p = Predictor(out / "final")
     recs = p.predict([{"text": "The cat sat.", "text_pair": "A cat was sitting."}, {"text": "Hello there."}])
     assert [r["label"] in ("0", "1") for r in recs] == [True, True]
@@ -317,7 +194,7 @@ def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, caps
 # ----------------------------------------------------------------------------------------------- predict
 
 def test_predict_command_qa(tmp_path, tiny_model, capsys, monkeypatch):
-    train = _v2_fixture(tmp_path / "train.json", 2)
+    train = squad_v2_fixture(tmp_path / "train.json", 2)
     out = tmp_path / "run"
     assert main(["finetune", "squad", "--train", str(train), "--init", str(tiny_model), "--output", str(out),
                  "--data.max_seq_length", "64", "--data.max_query_length", "16", "--data.cache_dir", "", "--train.steps", "1",
@@ -366,7 +243,7 @@ def test_shipped_finetune_configs_load(name, cls_name):
 def test_squad_labels_and_postprocessing_agree_tiny_overfit(tmp_path, tiny_model, capsys):
     """Train and evaluate on the same hand-made v1.1 questions: if the start/end labels, the windows and the
     offset mapping of the predictions agree, the tiny model fits them exactly (an off-by-one anywhere -> EM 0)."""
-    data = _v2_fixture(tmp_path / "v2.json", 6)
+    data = squad_v2_fixture(tmp_path / "v2.json", 6)
     v1 = json.loads(data.read_text())
     for p in v1["data"][0]["paragraphs"]:
         p["qas"] = [qa for qa in p["qas"] if not qa["is_impossible"]]

@@ -14,50 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
 from distributed import cli_env, launch_cli
-from test_tasks_finetune import TINY, _v2_fixture, write_rte_like
+from helpers import finetune_argv, finetune_data, save_tiny_model
 
 from bertrain.cli import build_parser, main
-
-
-def _tiny_model(d: Path, dropout: float) -> Path:
-    from bertrain.model.bert import BertConfig, BertModel
-    from bertrain.model.hf import tokenizer_files_from_vocab
-
-    torch.manual_seed(0)
-    vocab = ASSETS / "vocab-tiny.txt"
-    n = sum(1 for _ in open(vocab, encoding="utf-8"))
-    model = BertModel(BertConfig.from_preset("tiny", vocab_size=n, hidden_dropout_prob=dropout,
-                                             attention_probs_dropout_prob=dropout))
-    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
-    model.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {"dropout": _tiny_model(root / "dropout", 0.1), "no_dropout": _tiny_model(root / "plain", 0.0)}
-
-
-def _argv(task: str, data: Path, model: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    if task == "glue":
-        head = ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--data.max_seq_length", "32"]
-    else:
-        head = ["finetune", "squad", "--version-2-with-negative", "--train", str(data / "train.json"), "--dev",
-                str(data / "dev.json"), "--data.max_seq_length", "64", "--data.max_query_length", "16",
-                "--data.cache_dir", ""]
-    return [*head, "--init", str(model), "--output", str(out), "--train.steps", str(steps), *TINY, *extra]
-
-
-def _data(task: str, root: Path) -> Path:
-    if task == "glue":
-        return write_rte_like(root / "RTE", n_train=40, n_dev=10, n_test=7)
-    root.mkdir(parents=True, exist_ok=True)
-    _v2_fixture(root / "train.json", 8)
-    _v2_fixture(root / "dev.json", 3)
-    return root
+    return {"dropout": save_tiny_model(root / "dropout", 0.1), "no_dropout": save_tiny_model(root / "plain", 0.0)}
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -79,16 +45,16 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.mark.parametrize("task", ["glue", "squad"])
 def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path], task: str) -> None:
     """Dropout on, so the RNG state of the killed run must be restored exactly too."""
-    data = _data(task, tmp_path / "data")
+    data = finetune_data(task, tmp_path / "data")
     steps, kill_after = 80, 6
     ckpt = ["--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     # the straight run and the run to kill go side by side (one thread each: the same numbers as alone)
-    straight_proc = subprocess.Popen([sys.executable, "-m", "bertrain", *_argv(task, data, models["dropout"],
-                                                                               straight, steps, *ckpt)],
+    straight_proc = subprocess.Popen([sys.executable, "-m", "bertrain",
+                                      *finetune_argv(task, data, models["dropout"], straight, steps, *ckpt)],
                                      env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen([sys.executable, "-m", "bertrain", *_argv(task, data, models["dropout"], killed, steps,
-                                                                      *ckpt)],
+    proc = subprocess.Popen([sys.executable, "-m", "bertrain",
+                             *finetune_argv(task, data, models["dropout"], killed, steps, *ckpt)],
                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (killed / f"step-{kill_after}" / "COMPLETE").exists():
@@ -102,7 +68,7 @@ def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path]
     _, err = straight_proc.communicate(timeout=600)
     assert straight_proc.returncode == 0, err[-3000:]
 
-    r = _run(_argv(task, data, models["dropout"], killed, steps, *ckpt, "--resume", "auto"))
+    r = _run(finetune_argv(task, data, models["dropout"], killed, steps, *ckpt, "--resume", "auto"))
     assert "resumed from" in r.stderr
     a, b = _weights(straight), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -120,11 +86,11 @@ def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path]
 @pytest.mark.slow
 def test_finetune_one_process_accumulation_equals_data_parallel(tmp_path: Path, models: dict[str, Path]) -> None:
     """Global batch 8 as 1 process x 4 micro-steps of 2, 2 x 2 and 4 x 1 (no dropout): the same weights."""
-    data = _data("glue", tmp_path / "data")
+    data = finetune_data("glue", tmp_path / "data")
     outs = {}
     for world in (1, 2, 4):
         outs[world] = tmp_path / f"w{world}"
-        argv = _argv("glue", data, models["no_dropout"], outs[world], 5, "--train.global_batch_size", "8",
+        argv = finetune_argv("glue", data, models["no_dropout"], outs[world], 5, "--train.global_batch_size", "8",
                      "--train.micro_batch_size", "2", "--do_eval", "false", "--data.predict_test", "false")
         for r in launch_cli(world, argv):
             assert r.returncode == 0, r.stdout[-3000:]
@@ -152,12 +118,12 @@ def test_finetune_gradient_checkpointing_changes_nothing(tmp_path: Path, models:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
-    data = _data("glue", tmp_path / "data")
+    data = finetune_data("glue", tmp_path / "data")
     outs, calls = {}, {}
     for flag in ("false", "true"):
         outs[flag] = tmp_path / f"ckpt-{flag}"
         recomputed.clear()
-        assert main(_argv("glue", data, models["dropout"], outs[flag], 6,
+        assert main(finetune_argv("glue", data, models["dropout"], outs[flag], 6,
                           "--model_options.gradient_checkpointing", flag)) == 0
         calls[flag] = len(recomputed)
     capsys.readouterr()

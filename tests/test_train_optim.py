@@ -85,6 +85,31 @@ def test_lamb_matches_reference_step_by_step(nvlamb, bias_correction, min_tr, ma
     assert min(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), init)) > 1e-3
 
 
+@pytest.mark.parametrize("nvlamb", [False, True])
+def test_multi_tensor_lamb_equals_per_tensor_loop(nvlamb):
+    """Lamb's two forms (multi-tensor for CUDA, per-tensor, the CPU default) take the same steps. (Each is also
+    checked against the paper's algorithm: test_lamb_matches_reference_step_by_step.)"""
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    a[-1].data.zero_()  # a zero weight: trust ratio 1
+    b[-1].data.zero_()
+    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.01}, {"params": ps[2:], "weight_decay": 0.0}]
+    fast = Lamb(groups(a), lr=1e-2, nvlamb=nvlamb, foreach=True)
+    ref = Lamb(groups(b), lr=1e-2, nvlamb=nvlamb, foreach=False)
+    for step in range(4):
+        g = [torch.randn(s) for s in shapes]
+        for p, x in zip(a, g):
+            p.grad = x.clone()
+        for p, x in zip(b, g):
+            p.grad = x.clone()
+        fast.step()
+        ref.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_bert_adamw_without_bias_correction_matches_google_formula() -> None:
     torch.manual_seed(0)
     model = Toy()

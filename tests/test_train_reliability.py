@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distributed import cli_env
-from test_tasks_finetune import TINY, write_rte_like
+from helpers import TINY, write_rte_like
 
 from bertrain.cli import main
 from bertrain.train import checkpoint as ckpt
@@ -178,7 +178,7 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last_one(
 
 
 def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
-    from test_tasks_finetune_engine import _tiny_model
+    from helpers import save_tiny_model as _tiny_model
 
     model = _tiny_model(tmp_path / "model", 0.1)
     data = write_rte_like(tmp_path / "RTE", n_dev=10)
@@ -195,9 +195,9 @@ def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
 
 
 def test_stsb_finetune_exports_a_regression_model_that_predict_scores(tmp_path, capsys):
-    from test_tasks_finetune_engine import _tiny_model
+    from helpers import save_tiny_model as _tiny_model
 
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
 
     model = _tiny_model(tmp_path / "model", 0.1)
     d = tmp_path / "STS-B"

@@ -33,7 +33,7 @@ log = logging.getLogger("bertrain")
 
 # name -> one-line help. Order here is the order shown in --help. A command whose module is absent is not offered.
 # The help lines live here (not only in the modules) so that `bertrain --help` and `bertrain info` import nothing
-# heavy: only the chosen command's module is imported (torch costs ~2 s and ~150 MB to import).
+# heavy: only the chosen command's module is imported (importing torch takes seconds and much memory).
 COMMANDS = {
     "run": "run a recipe end to end: vocab, prepare, pretrain phase 1/2, fine-tune, evaluate, report (resumable)",
     "info": "show a model config (preset, HF folder or checkpoint): sizes, parameter counts",

@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_json_object(path: str, what: str) -> dict:
-    from bertrain.tasks.squad import _load_json
+    from bertrain.tasks.squad import load_json
 
-    data = _load_json(Path(path))
+    data = load_json(Path(path))
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the {what} file must be a JSON object {{question id: ...}}")
     return data

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bertrain.tasks.predict import Predictor, batched, read_items
+    from bertrain.deploy.predict import Predictor, batched, read_items
     from bertrain.utils.errors import UserError, writing
     from bertrain.utils.io import atomic_write_text
 

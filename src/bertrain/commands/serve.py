@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bertrain.deploy.config import ServeConfig
     from bertrain.deploy.server import serve
-    from bertrain.tasks.predict import Predictor
+    from bertrain.deploy.predict import Predictor
     from bertrain.utils import threads
 
     threads.apply_threads(logging.getLogger("bertrain"))

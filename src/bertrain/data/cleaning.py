@@ -20,8 +20,9 @@ _ASCII_CONTROL = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f
 _ASCII_CONTROL_BUT_NUL = _ASCII_CONTROL[1:]
 _CONTROL_BUT_NUL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
 # Runs of 2+ spaces, or one space that is not " ": a plain single space matches nothing, so the usual text costs
-# no substitutions (matching every single space was 80% of `normalize_text`). Same output as `[...]+` -> " ".
-# One leading class, not a top-level alternation, so that re scans for it in C (28 -> 6 ms per MB).
+# no substitutions (matching every single space was most of `normalize_text`'s time). Same output as
+# `[...]+` -> " ".
+# One leading class, not a top-level alternation, so that re scans for it in C (BENCHMARKS.md, batched cleaning).
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]"
                      r"(?:[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+|(?<=[^ ]))")
 
@@ -35,7 +36,7 @@ def normalize_text(text: str, keep_nul: bool = False) -> str:
 
     `keep_nul` keeps NUL characters (the document separator of `clean_documents`)."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if text.isascii():  # O(1) in CPython. NFC is the identity; bytes.translate deletes controls ~10x faster than re
+    if text.isascii():  # O(1) in CPython. NFC is the identity; bytes.translate deletes controls faster than re
         raw = text.encode("ascii")
         kept = raw.translate(None, _ASCII_CONTROL_BUT_NUL if keep_nul else _ASCII_CONTROL)
         if len(kept) != len(raw):
@@ -46,7 +47,7 @@ def normalize_text(text: str, keep_nul: bool = False) -> str:
         odd_space = _ODD_SPACE.search(text) is not None
     # Python's re tries a match at every candidate position (every space, for `_SPACES`); a single-class search
     # and a literal search are C scans. So clean text skips the substitution, and text whose only odd spacing is
-    # runs of plain spaces (the usual case) uses the literal-prefix pattern (same result, 12 -> 1 ms per MB).
+    # runs of plain spaces (the usual case) uses the literal-prefix pattern (same result).
     if odd_space:
         text = _SPACES.sub(" ", text)
     elif "  " in text:
@@ -71,12 +72,12 @@ def clean_document(text: str, kind: str) -> list[str]:
 
 # Why batched: Tiny Shakespeare has ~7,000 documents per MB, and cleaning them one call at a time spent most of its
 # time in per-call overhead (normalise, rule lines, paragraph split and a splitter call per paragraph: 0.06 CPU s per
-# MB, 40% of tokenizing). Joining a chunk's documents with a separator and running each step once over the whole
-# text gives the same sentences (each step is per character or per line, and the separator is a line of its own that
-# no step changes or crosses) at a fraction of the cost.
+# MB, BENCHMARKS.md, batched cleaning). Joining a chunk's documents with a separator and running each step once over
+# the whole text gives the same sentences (each step is per character or per line, and the separator is a line of its
+# own that no step changes or crosses) at a fraction of the cost.
 # NUL, kept through normalisation by `keep_nul` (real text has none: checked, and documents go one by one if it
 # does). An ASCII separator keeps ASCII text ASCII, so CPython's 1-byte-string fast paths (NFC quick check, re)
-# still apply: a non-ASCII one made normalising the joined text 2x slower than document by document.
+# still apply: a non-ASCII one made normalising the joined text slower than document by document.
 _DOC_SEP = "\n\x00\n"
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 # After normalisation no C0 control is left (see _CONTROL), so these mark the boundaries in the joined text.
@@ -86,7 +87,7 @@ _PARA_MARK, _DOC_MARK = "\x02", "\x03"
 def clean_documents(texts: list[str], kind: str) -> list[list[str]]:
     """`clean_document` for many documents of one kind at once (same result, much faster for short documents)."""
     if kind == "wiki":
-        # Imported here: mwparserfromhell takes ~60 ms to import, and only wiki input needs it.
+        # Imported here: mwparserfromhell is slow to import, and only wiki input needs it.
         from bertrain.data.wikitext import strip_wiki_markup
 
         texts = [strip_wiki_markup(t) for t in texts]
@@ -115,16 +116,16 @@ def _clean_joined(text: str, kind: str, n_docs: int) -> list[list[str]]:
 
 # ----------------------------------------------------------------------------------------------- sentences
 
-# Why a hand-written splitter: pysbd (the maintained rule-based splitter that works offline) segments 86 KB/s
-# here (measured on Tiny Shakespeare), 70x slower than the 6 MB/s this pipeline targets; NLTK punkt needs data
-# that cannot be downloaded here. This regex + abbreviation check runs at ~30 MB/s (see BENCHMARKS.md) and
+# Why a hand-written splitter: pysbd (the maintained rule-based splitter that works offline) is far slower than
+# the 6 MB/s this pipeline targets; NLTK punkt needs data that cannot be downloaded here. This regex +
+# abbreviation check runs within cleaning's 0.03 s per MB (BENCHMARKS.md, batched cleaning) and
 # handles what matters for BERT's sentence-pair task: ., ! and ? followed by space and an upper-case letter,
 # digit or opening quote, except after common abbreviations, initials (J. R. R.) and dotted acronyms (U.S.).
 # A sentence end: end punctuation, closing quotes/brackets, whitespace (group 1), then a capital or digit.
 _SENTENCE_END_TAIL = r"[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de])"
 # A sentence end, or a paragraph/document mark (group 1 is None for a mark). Written to start with one character
 # class (a top-level alternation would not): CPython's re then scans for that class in C instead of trying a match
-# at every position (30 -> 13 ms per MB). `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
+# at every position. `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
 _BOUNDARY = re.compile(f"[{_PARA_MARK}{_DOC_MARK}.!?\u2026](?:(?<=[{_PARA_MARK}{_DOC_MARK}])|"
                        f"[.!?\u2026]*{_SENTENCE_END_TAIL})")
 _ABBREVIATIONS = frozenset("""

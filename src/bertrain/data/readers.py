@@ -233,7 +233,8 @@ def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8"
     """Blank-line separated documents (`text`, `lines`): each document is a maximal run of non-blank lines.
 
     Found with one regex pass per decoded block rather than a Python loop over lines (that loop was the main
-    process's largest cost in `prepare`, ~20 ms per MB, while the workers waited for their first chunk). A run that
+    process's largest cost in `prepare`, while the workers waited for their first chunk: BENCHMARKS.md, plain-text
+    reading). A run that
     reaches a block's end may go on in the next block; block ends are line ends (or pieces of over-long lines,
     which count as lines)."""
     with CountingReader(path, progress) as reader:

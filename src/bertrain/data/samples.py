@@ -152,9 +152,8 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
     Vectorised: a block's target is keyed by its first sentence (a counter-based draw, like every other random
     number here), so the end of a block that *would* start at any sentence is one `searchsorted` on the token
     offsets for all sentences at once; the blocks are then the chain of those ends from each document's start
-    (followed for all documents at once) or, when packing, from sentence 0 (a list walk, ~0.1 us per block). The
-    Python loop over sentences this replaces was a serial ~8 ms per MB of text in `prepare`, between its two
-    parallel stages.
+    (followed for all documents at once) or, when packing, from sentence 0 (a list walk). The Python loop over
+    sentences this replaces was serial time in `prepare`, between its two parallel stages (BENCHMARKS.md, blocks).
     """
     cum = np.asarray(store.sentence_starts, dtype=np.int64)  # token offset of each sentence, and the end
     n_sent = len(cum) - 1
@@ -415,7 +414,7 @@ class InstanceBuilder:
 
 def _smallest_keys(key: np.ndarray, candidate: np.ndarray, n_pred: np.ndarray, P: int) -> np.ndarray:
     """Per row, the positions of the `n_pred` smallest keys among the candidates, ascending, padded with 0 to
-    (n, P). Same result as sorting each row (keys are uniform 53-bit integers), ~4x cheaper: only keys below a
+    (n, P). Same result as sorting each row (keys are uniform 53-bit integers), cheaper: only keys below a
     per-row threshold that keeps ~n_pred + 2 sigma of them are sorted, in one flat sort of (row, key); a row where
     too few pass (rare) is redone with a full sort."""
     n, T = key.shape

@@ -3,16 +3,21 @@
 * `onnx_export.py`  `bertrain export --format onnx`: the padded inference graph through `torch.onnx.export`
                     (dynamic batch and sequence axes), verified against PyTorch on real tokenised text, written
                     beside its tokenizer files and `onnx.json`; optionally as a Triton model repository.
+* `predict.py`      `Predictor` (`bertrain predict`, `bertrain serve`): tokenisation, batching and post-processing
+                    around a backend, one code path for every backend; `read_items` reads input files.
 * `backends.py`     the one small interface `Predictor` runs (`TorchBackend`, `OnnxRuntimeBackend`): numpy
-                    features in, named numpy outputs back. Tokenisation and post-processing stay in
-                    `bertrain.tasks.predict`, shared by every backend.
+                    features in, named numpy outputs back.
 * `server.py`       `bertrain serve`: FastAPI + uvicorn, `POST /predict`, `GET /health`, micro-batching of
                     concurrent requests, a request size limit, graceful shutdown.
 * `config.py`       `ServeConfig` (no web framework imported, so `bertrain serve --help` is quick).
 * `loadtest.py`     concurrent clients against a running server (benchmarks/serve_load.py, tests).
 
 The packages (onnx, onnxruntime, fastapi, uvicorn, httpx) are the optional extra `bertrain[deploy]`;
-`require` turns a missing one into a one-line error naming the extra.
+`require` turns a missing one into a one-line error naming the extra; they are imported only where used, so
+`import bertrain.deploy.predict` and `bertrain --help` work without them.
+
+Deployment sits above the tasks: modules here import `bertrain.tasks` and `bertrain.model` at the top; nothing in
+tasks/, data/, model/ or train/ imports `bertrain.deploy` (tests/test_imports.py checks the graph).
 """
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from bertrain.deploy import require
+from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification, BertModel
+from bertrain.model.hf import model_class_for
 from bertrain.utils.errors import UserError
 
 INPUT_NAMES = ("input_ids", "token_type_ids", "attention_mask")
@@ -47,8 +49,6 @@ class Backend(Protocol):
 
 def task_of(model: torch.nn.Module) -> str:
     """"qa", "classification" or "encoder", from the model's class."""
-    from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification, BertModel
-
     for cls, task in ((BertForQuestionAnswering, "qa"), (BertForSequenceClassification, "classification"),
                       (BertModel, "encoder")):
         if isinstance(model, cls):
@@ -84,9 +84,6 @@ class TorchBackend:
 def load_torch_model(model_dir: Path, task: str) -> torch.nn.Module:
     """The model of a fine-tuned folder for `task` ("qa" or "classification"); a head without trained weights is
     refused (its predictions would be noise)."""
-    from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
-    from bertrain.model.hf import model_class_for
-
     if (model_dir / ONNX_FILE).is_file() and not any(model_dir.glob("*.safetensors")) \
             and not (model_dir / "pytorch_model.bin").is_file():
         raise UserError(f"{model_dir} is an ONNX export (model.onnx, no PyTorch weights): run it with "

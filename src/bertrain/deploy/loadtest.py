@@ -19,8 +19,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import torch
 
 from bertrain.deploy import require
+from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+from bertrain.tasks.glue import get_task, read_glue_tsv
+from bertrain.tasks.squad import read_squad
 
 SCORE_TOLERANCE = 1e-4
 """Largest difference of a score (probability) between a served answer and the offline one: batches of other
@@ -31,8 +35,6 @@ sizes and lengths change float rounding, never more."""
 
 def mrpc_items(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
     """Sentence pairs of a GLUE MRPC TSV (e.g. ../shared/data/glue/MRPC/dev.tsv) as classification items."""
-    from bertrain.tasks.glue import get_task, read_glue_tsv
-
     task = get_task("mrpc")
     examples = read_glue_tsv(path, task, task.dev)[:limit]
     return [{"id": str(i), "text": e.text_a, "text_pair": e.text_b} for i, e in enumerate(examples)]
@@ -40,8 +42,6 @@ def mrpc_items(path: str | os.PathLike, limit: int | None = None) -> list[dict[s
 
 def squad_items(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
     """Questions of a SQuAD-format JSON file (e.g. ../shared/data/squad/xquad-en-part1.json) as QA items."""
-    from bertrain.tasks.squad import read_squad
-
     return [{"id": e.qid, "question": e.question, "context": e.context} for e in read_squad(path)[:limit]]
 
 
@@ -49,10 +49,6 @@ def seeded_head_model(encoder_dir: str | os.PathLike, task: str, out: str | os.P
     """A model folder: the encoder of `encoder_dir` (e.g. the real MiniLM) plus a `task` head initialised with
     `seed` and saved, so it loads as a model with trained weights. Its answers are not meaningful; for comparing
     backends and serving they are as good as any (each one is checked against the same model offline)."""
-    import torch
-
-    from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
-
     cls = BertForQuestionAnswering if task == "qa" else BertForSequenceClassification
     torch.manual_seed(seed)
     model = cls.from_pretrained(encoder_dir)

@@ -31,6 +31,9 @@ from torch import nn
 from bertrain.deploy import require
 from bertrain.deploy.backends import (INPUT_NAMES, ONNX_FILE, ONNX_META, OnnxRuntimeBackend, TorchBackend, output_names,
                                       task_of)
+from bertrain.deploy.predict import TASK_FILE
+from bertrain.model.hf import hf_config_dict
+from bertrain.tasks.common import load_task_tokenizer
 from bertrain.utils.errors import UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -40,7 +43,6 @@ TOLERANCE = 1e-4
 """Largest absolute difference allowed between ONNX Runtime's and PyTorch's outputs (fp32)."""
 SINGLE_FILE_LIMIT = 1_800_000_000
 """Weights above this many bytes go to model.onnx.data beside model.onnx (protobuf files stop at 2 GiB)."""
-TASK_FILE = "task.json"
 
 # Real text for the verification: sentences of very different lengths, and question/context pairs.
 SENTENCES = [
@@ -202,9 +204,6 @@ class OnnxFolder:
         self.max_abs_diff: float | None = None
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        from bertrain.model.hf import hf_config_dict
-        from bertrain.tasks.common import load_task_tokenizer
-
         root = Path(path)
         folder = root / self.triton_name / "1" if self.triton_name else root
         folder.mkdir(parents=True, exist_ok=True)

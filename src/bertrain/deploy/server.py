@@ -3,7 +3,7 @@
     POST /predict   one item or a list of items -> one result or a list, in order
                     QA:             {"question": str, "context": str[, "id"]}
                     classification: {"text": str[, "text_pair": str][, "id"]}
-                    results are `Predictor`'s (tasks/predict.py): the same as `bertrain predict` prints
+                    results are `Predictor`'s (deploy/predict.py): the same as `bertrain predict` prints
     GET  /health    {"status": "ok", task, backend, model, labels, the batching settings and counters}
 
 Concurrent requests are micro-batched: `MicroBatcher` queues them, and one worker takes the first waiting request,

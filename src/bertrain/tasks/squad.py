@@ -41,7 +41,8 @@ class SquadExample:
     title: str = ""
 
 
-def _load_json(path: Path) -> Any:
+def load_json(path: Path) -> Any:
+    """Parse a UTF-8 JSON file (a BOM allowed); `ValueError` naming the file and where on bad text or JSON."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -60,7 +61,7 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
     `version_2_with_negative=False` rejects unanswerable questions; None accepts both versions.
     """
     path = Path(path)
-    data = _load_json(path)
+    data = load_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
     examples: list[SquadExample] = []
@@ -385,7 +386,7 @@ def write_prediction_files(output_dir: str | os.PathLike, predictions: dict[str,
 
 def load_dataset_json(path: str | os.PathLike) -> dict[str, Any]:
     """The raw parsed SQuAD file (for the official evaluation), with a clear error on malformed JSON."""
-    data = _load_json(Path(path))
+    data = load_json(Path(path))
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
     return data

@@ -3,10 +3,10 @@
 Why: with glibc's defaults a process returns large freed blocks to the kernel (munmap, heap trim) and page-faults
 them back in at the next allocation of the same size. Work that allocates and frees the same big buffers over and
 over then spends a large share of its time in the kernel zeroing pages:
-* `prepare`'s pool workers (numpy temporaries of every task): 236k minor faults per 8.8 MB of text, 37k with fixed
-  thresholds (BENCHMARKS.md, data preparation);
+* `prepare`'s pool workers (numpy temporaries of every task);
 * a CPU training step (PyTorch's CPU allocator is malloc): BERT-base at seq 128, batch 8 spent ~16% of its CPU time
-  in the kernel; with the thresholds below the step is 18-22% faster (BENCHMARKS.md, CPU results).
+  in the kernel; with the thresholds below the step takes 18-22% less time (BENCHMARKS.md, CPU results: freed
+  memory).
 Fixed thresholds also switch off glibc's dynamic threshold. A no-op where mallopt is unavailable (non-glibc), and
 off with BERTRAIN_KEEP_FREED_MEMORY=0 (the price is a process that keeps its peak heap).
 """

@@ -1,7 +1,7 @@
 """How many CPU threads a command's PyTorch work should use, chosen from the CPUs this process may use and the load.
 
 PyTorch's default is one thread per core of the machine, whatever else runs on it. On a loaded machine that
-oversubscribes the cores and the job runs ~2x slower than with `OMP_NUM_THREADS=1`. `choose_threads` picks:
+oversubscribes the cores, and the job runs slower than with fewer threads. `choose_threads` picks:
 
 * the user's choice, when `OMP_NUM_THREADS` (or `MKL_NUM_THREADS`) is set: it is left alone;
 * otherwise the CPUs the process may use (`os.sched_getaffinity`, capped by a cgroup CPU quota where one is set),
@@ -34,7 +34,7 @@ def _affinity() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _physical_cores(cpus: list[int]) -> int | None:
+def physical_cores(cpus: list[int]) -> int | None:
     """Distinct physical cores among the logical CPUs `cpus` (hyperthreads share one); None when unknown."""
     cores = set()
     for c in cpus:
@@ -53,7 +53,7 @@ def _load() -> float | None:
         return None
 
 
-def _cgroup_quota(path: Path = CGROUP_CPU_MAX) -> float | None:
+def cgroup_quota(path: Path = CGROUP_CPU_MAX) -> float | None:
     """CPUs allowed by a cgroup v2 quota ("200000 100000" = 2 CPUs; "max ..." = no quota)."""
     try:
         quota, period = path.read_text().split()[:2]
@@ -99,9 +99,9 @@ def choose_threads(environ: Mapping[str, str] | None = None, affinity: Sequence[
     if load is _UNSET:
         load = _load()
     if quota is _UNSET:
-        quota = _cgroup_quota()
+        quota = cgroup_quota()
     if physical is _UNSET:
-        physical = _physical_cores(cpu_list) if affinity is not None and not isinstance(affinity, int) else None
+        physical = physical_cores(cpu_list) if affinity is not None and not isinstance(affinity, int) else None
     parts = [f"{cpus} CPU{'s' if cpus != 1 else ''} usable"]
     if physical is not None and physical < cpus:
         parts[0] += f" on {physical} core{'s' if physical != 1 else ''}"
@@ -129,7 +129,7 @@ def apply_threads(log=None) -> tuple[int, str]:
     """Choose once per process and apply it; log one line (rank 0 only) the first time.
 
     With torch imported, `torch.set_num_threads(n)`; otherwise `OMP_NUM_THREADS=n` in the environment, which torch
-    reads when it is imported (so a command that never needs torch does not pay ~2 s to import it)."""
+    reads when it is imported (so a command that never needs torch does not pay for importing it)."""
     global _applied
     if _applied is not None:
         return _applied

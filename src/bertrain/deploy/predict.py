@@ -10,7 +10,11 @@ the feature settings; without it, the head in config.json decides the task and l
 
 The forward pass is a backend (`bertrain.deploy.backends`): PyTorch on the model folder, or ONNX Runtime on the folder
 `bertrain export --format onnx` writes (`Predictor(onnx_dir, backend="onnxruntime")`). Tokenisation, batching and
-post-processing are this module's, one code path for every backend.
+post-processing are this module's (on top of `bertrain.tasks.squad`'s features and span decoding), one code path
+for every backend.
+
+This is deployment, above the tasks: it imports `bertrain.tasks` and `bertrain.model`; nothing under them imports
+`bertrain.deploy` (tests/test_imports.py).
 """
 from __future__ import annotations
 
