@@ -60,7 +60,7 @@ from bertrain.data.store import (HELDOUT_DIR, STORE_FORMAT, STORE_VERSION, Shard
                                  heldout_status, open_shard, read_store_meta, token_dtype)
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
 from bertrain.utils.errors import OutputError, UserError, describe_os_error
-from bertrain.utils.io import _fsync_dir, atomic_write_json
+from bertrain.utils.io import atomic_write_json, fsync_dir
 from bertrain.utils.memory import keep_freed_memory
 from bertrain.utils.rundir import OutputLock, move_aside
 
@@ -545,7 +545,7 @@ def _split_heldout(work: Path, progress: dict[str, Any], fraction: float, min_do
     status.doing, status.needed = f"writing {progress_path}", lambda: None
     atomic_write_json(progress_path, progress)
     shutil.rmtree(pending, ignore_errors=True)
-    _fsync_dir(work / "shards")
+    fsync_dir(work / "shards")
     return {**out, "train": [d["train"] for d in done if d["train"] is not None],
             "heldout": [d["heldout"] for d in done if d["heldout"] is not None]}
 
@@ -620,7 +620,7 @@ def write_static_instances(data_dir: Path, sample: SampleConfig, seed: int, dupe
     finally:
         _close_static()
     write_static_meta(out, sample, seed, dupe_factor, n, builder.row_width, dtype)
-    _fsync_dir(out)
+    fsync_dir(out)
     return n
 
 
@@ -670,7 +670,7 @@ def _build_in_place_of(out: Path, work: Path, status: _Status,
     except OSError as e:
         raise OutputError(describe_os_error(e, f"renaming the finished {work} to {out}",
                                             f"the complete new output is {work}")) from e
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return stats, moved
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bertrain.utils.io import _fsync_dir
+from bertrain.utils.io import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ShardWriter:
         os.fsync(self.f.fileno())
         self.f.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return {"file": self.path.name, "n_tokens": self.n_tokens, "n_sentences": len(lens),
                 "n_documents": len(counts), "bytes": self.path.stat().st_size, "crc32": self.crc}
 

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from bertrain.data.progress import Progress
 from bertrain.data.readers import CorpusConfig, SkipReport, input_fingerprint, iter_documents, resolve_inputs
 from bertrain.utils.errors import UserError, writing
-from bertrain.utils.io import _fsync_dir, atomic_write_json, atomic_write_text
+from bertrain.utils.io import atomic_write_json, atomic_write_text, fsync_dir
 from bertrain.utils.rundir import OutputLock, move_aside
 
 logger = logging.getLogger(__name__)
@@ -99,17 +99,17 @@ def _wordpiece(vocab: dict[str, int], do_lower_case: bool) -> Tokenizer:
 
 # ----------------------------------------------------------------------------------------------- fast encoding
 
-# Why a second encoding path: HF `tokenizers` (Rust) runs BertWordPiece at ~2.3 MB/s per CPU core on this machine
-# (Tiny Shakespeare, batch-encoded, 0.49 CPU s for 1.1 MB): most of that is per-call and per-word bookkeeping
-# (offsets, alignments, Encoding objects), not WordPiece itself. Text is Zipfian, so almost every word was seen
-# before: `FastBertEncoder` splits whole chunks with one C regex and looks the pieces up in a dict of already
-# encoded pieces, ~6x faster (see BENCHMARKS.md). It stays exactly HF's output by construction, not by
-# re-implementation: it only cuts the text at ASCII whitespace/punctuation and drops ASCII control characters,
-# which BertNormalizer + BertPreTokenizer provably treat the same way (every ASCII char maps to itself, to its
-# lower case, to a space or to nothing, each ASCII punctuation char is its own word, and ASCII chars are Unicode
-# starters, so NFD never reorders across them). Every piece between two cuts, ASCII or not (accents, CJK,
-# Unicode spaces/punctuation inside it, words over 200 chars -> [UNK]), is encoded by the HF tokenizer itself
-# the first time it is seen. tests/test_data_tokenizer.py checks equality on the real corpora, cased and uncased.
+# Why a second encoding path: most of the time HF `tokenizers` (Rust) spends on BertWordPiece is per-call and
+# per-word bookkeeping (offsets, alignments, Encoding objects), not WordPiece itself. Text is Zipfian, so almost
+# every word was seen before: `FastBertEncoder` splits whole chunks with one C regex and looks the pieces up in a
+# dict of already encoded pieces, several times faster (BENCHMARKS.md, data preparation: the encoder). It stays
+# exactly HF's output by construction, not by re-implementation: it only cuts the text at ASCII
+# whitespace/punctuation and drops ASCII control characters, which BertNormalizer + BertPreTokenizer provably treat
+# the same way (every ASCII char maps to itself, to its lower case, to a space or to nothing, each ASCII punctuation
+# char is its own word, and ASCII chars are Unicode starters, so NFD never reorders across them). Every piece
+# between two cuts, ASCII or not (accents, CJK, Unicode spaces/punctuation inside it, words over 200 chars -> [UNK]),
+# is encoded by the HF tokenizer itself the first time it is seen. tests/test_data_tokenizer.py checks equality on
+# the real corpora, cased and uncased.
 _ASCII_WS = " \t\n\r"
 _ASCII_PUNCT = "!-/:-@\\[-`{-~"  # the 32 ASCII punctuation chars, as a character class body
 # A piece = a run of chars that are neither ASCII whitespace nor ASCII punctuation; or one punctuation char;
@@ -158,21 +158,21 @@ class FastBertEncoder:
         """`tokenizer` None: built from `vocab` when first needed (only non-ASCII words need it)."""
         self._tokenizer = tokenizer
         self.lower = do_lower_case
-        self.vocab = vocab if vocab is not None else tokenizer.get_vocab()  # get_vocab() takes ~10 ms for 30k
+        self.vocab = vocab if vocab is not None else tokenizer.get_vocab()  # get_vocab() copies all 30k entries
         self.max_chars = getattr(tokenizer.model, "max_input_chars_per_word", 100) if tokenizer else _MAX_WORD_CHARS
         self.max_cache = max_cache
         self.longest: int | None = None  # longest vocab entry, for `_greedy_wordpiece` (computed when first needed)
         self.cache: dict[str, tuple[int, ...]] = {"\n": _SEP}  # piece -> ids ("\n": a separator, see _fill_words)
         # Space-delimited word (punctuation attached) -> its pieces' ids packed as int32 bytes: text splits at
         # spaces with one C call, and b"".join + np.frombuffer flattens the ids with no per-id Python work
-        # (findall into pieces + chain/fromiter over id tuples was ~50 ms of the ~90 per MB).
+        # (findall into pieces + chain/fromiter over id tuples was most of the encoder's time).
         self.words: dict[str, bytes] = {}
         self._reset_words()
 
     @classmethod
     def from_vocab_file(cls, vocab_file: str | os.PathLike, do_lower_case: bool) -> "FastBertEncoder":
         """The encoder of `load_tokenizer(vocab_file, do_lower_case)`, reading the file once. The HF tokenizer is
-        built only if a non-ASCII word turns up (in `prepare`'s workers, after forking: ~10 ms less start-up)."""
+        built only if a non-ASCII word turns up (in `prepare`'s workers, after forking: less start-up)."""
         return cls(None, do_lower_case, vocab={t: i for i, t in enumerate(read_vocab(vocab_file))})
 
     @property
@@ -241,7 +241,7 @@ class FastBertEncoder:
             parts = [self.encode_sentences([s.replace("\n", " ")]) for s in sentences]
             return (np.concatenate([p[0] for p in parts]),
                     np.asarray([len(p[0]) for p in parts], dtype=np.int64))
-        # bytes.translate finds (and deletes) ASCII controls ~10x faster than re; in UTF-8 an ASCII byte is
+        # bytes.translate finds (and deletes) ASCII controls faster than re; in UTF-8 an ASCII byte is
         # always that character, never part of another one.
         raw = text.encode("utf-8", "surrogatepass")
         kept = raw.translate(None, _ASCII_CONTROL_BYTES)
@@ -447,4 +447,4 @@ def _write_vocab(out_dir: Path, text: str, stats: dict, overwrite: bool) -> None
     finally:
         for p in new:
             p.unlink(missing_ok=True)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)

@@ -30,7 +30,8 @@ def dir_mode() -> int:
     return 0o777 & ~current_umask()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (best effort: a folder that cannot be opened is skipped)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -58,7 +59,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -81,7 +82,7 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
     try:
         os.chmod(tmp, dir_mode())  # mkdtemp made it 0700
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if move_existing is not None and (path.exists() or path.is_symlink()):
             move_existing(path)
         replace_dir(tmp, path)
