@@ -1,4 +1,4 @@
-"""What `distributed.strategy: fsdp` saves per rank, and what it costs on CPU, measured on gloo.
+"""What `parallelism.strategy: fsdp` saves per rank, and what it costs on CPU, measured on gloo.
 
 1. Memory (`--memory`, default): BERT-base and BERT-large (`BertForPreTraining`) are built on the meta device (no
    weights allocated) and sharded with `train.parallel.apply_fsdp` on W gloo ranks, exactly as the trainer does;
@@ -45,9 +45,9 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _trainer_config(strategy: str, reshard: bool = True, optim: str = "lamb"):
-    from bertrain.train.config import DistributedConfig, OptimConfig, TrainConfig, TrainerConfig
+    from bertrain.train.config import OptimConfig, ParallelismConfig, TrainConfig, TrainerConfig
     return TrainerConfig(train=TrainConfig(steps=1), optim=OptimConfig(name=optim),
-                         distributed=DistributedConfig(strategy=strategy, reshard_after_forward=reshard),
+                         parallelism=ParallelismConfig(strategy=strategy, reshard_after_forward=reshard),
                          output_dir="unused")
 
 

@@ -1,16 +1,19 @@
-"""Configs: every shipped recipe loads strictly with the values it promises; bad values name their key; the batch
-arithmetic; launcher environments (torchrun, Slurm, Open MPI, PMI)."""
+"""Configs: every shipped recipe loads strictly with the values it promises; bad values name their key; keys that
+moved (`distributed.strategy` -> `parallelism.strategy`) still read, in files, on the command line, in recipes and
+in a checkpoint's saved config; the batch arithmetic; launcher environments (torchrun, Slurm, Open MPI, PMI)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from bertrain.config import load_config
+from bertrain.config import load_config, to_dict
 from bertrain.tasks.pretraining import PretrainConfig
 from bertrain.train.config import TrainConfig, resolve_batch
 from bertrain.train.launch import first_slurm_host, launch_env
+from bertrain.utils.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {
@@ -86,6 +89,127 @@ def test_command_line_overrides_every_section() -> None:
     assert (cfg.output_dir, cfg.model.preset, cfg.train.steps, cfg.train.micro_batch_size, cfg.train.accumulation,
             cfg.precision.mode, cfg.optim.name, cfg.seed, cfg.checkpoint.save_interval, cfg.data.input) == (
         "/tmp/x", "tiny", 7, 4, 2, "bf16", "lamb", 3, 5, ["a.txt", "b.txt"])
+
+
+# ----------------------------------------------------------------------------------------------- moved keys
+
+OLD_PARALLELISM = {"strategy": "fsdp", "reshard_after_forward": False, "fsdp_param_dtype": "bf16",
+                   "fsdp_reduce_dtype": "bf16", "dp_shard": 2}
+NEW_PARALLELISM = {"strategy": "fsdp", "reshard_after_forward": False, "param_dtype": "bf16", "reduce_dtype": "bf16",
+                   "dp_shard": 2}
+
+
+@pytest.fixture
+def deprecations(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """The deprecation lines logged (each is said once per process: start from none said)."""
+    import bertrain.config as C
+    monkeypatch.setattr(C, "_deprecation_said", set())
+    return lambda: [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def _run(**sections: dict) -> dict:
+    return {"train": {"steps": 10}, "data": {"synthetic_samples": 64}, "output_dir": "out", **sections}
+
+
+def test_moved_parallelism_keys_in_a_file_are_read_with_one_line_each(tmp_path: Path, deprecations) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(_run(distributed={"timeout_s": 120, **OLD_PARALLELISM})))
+    for _ in range(2):  # said once, however often a config is loaded
+        cfg = load_config(PretrainConfig, path)
+        assert to_dict(cfg.parallelism) == NEW_PARALLELISM and cfg.distributed.timeout_s == 120
+    lines = deprecations()
+    assert len(lines) == 5
+    assert f"config key 'distributed.strategy' (in {path}) is deprecated: read as 'parallelism.strategy', its new " \
+           "name" in lines
+    assert any("'distributed.fsdp_param_dtype'" in line and "'parallelism.param_dtype'" in line for line in lines)
+
+
+def test_moved_keys_on_the_command_line(deprecations, capsys: pytest.CaptureFixture) -> None:
+    from bertrain.cli import build_parser
+    from bertrain.config import overrides_from_args
+    argv = ["pretrain", "--train.steps", "10", "--data.synthetic_samples", "64", "--distributed.strategy", "fsdp",
+            "--distributed.dp_shard", "2", "--parallelism.reduce_dtype", "bf16"]
+    args = build_parser(argv).parse_args(argv)
+    cfg = load_config(PretrainConfig, None, overrides_from_args(args))
+    assert (cfg.parallelism.strategy, cfg.parallelism.dp_shard, cfg.parallelism.reduce_dtype) == ("fsdp", 2, "bf16")
+    assert deprecations() == [
+        "config key 'distributed.strategy' (on the command line) is deprecated: read as 'parallelism.strategy', its "
+        "new name",
+        "config key 'distributed.dp_shard' (on the command line) is deprecated: read as 'parallelism.dp_shard', its "
+        "new name"]
+    with pytest.raises(SystemExit):  # --help lists the new keys only
+        build_parser(["pretrain", "--help"]).parse_args(["pretrain", "--help"])
+    shown = capsys.readouterr().out
+    assert "--parallelism.dp_shard" in shown and "--distributed.dp_shard" not in shown
+    # a later source wins, whichever spelling each used
+    cfg = load_config(PretrainConfig, None, {"train.steps": "10", "data.synthetic_samples": "64",
+                                             "parallelism.strategy": "fsdp"},
+                      base={"distributed": {"strategy": "ddp"}})
+    assert cfg.parallelism.strategy == "fsdp"
+
+
+@pytest.mark.parametrize("where", ["file", "command line"])
+def test_an_old_and_a_new_key_that_disagree_are_refused_naming_both(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "both.yaml"
+    both = ("config keys 'distributed.strategy' ('fsdp') and 'parallelism.strategy' ('ddp') are both set "
+            f"({'in ' + str(path) if where == 'file' else 'on the command line'}): 'distributed.strategy' is the old "
+            "name of 'parallelism.strategy'; keep only 'parallelism.strategy'")
+    with pytest.raises(ValueError, match=re.escape(both)):
+        if where == "file":
+            path.write_text(yaml.safe_dump(_run(distributed={"strategy": "fsdp"}, parallelism={"strategy": "ddp"})))
+            load_config(PretrainConfig, path)
+        else:
+            load_config(PretrainConfig, None, {"train.steps": "10", "data.synthetic_samples": "64",
+                                               "distributed.strategy": "fsdp", "parallelism.strategy": "ddp"})
+    # the same value twice is only redundant
+    cfg = load_config(PretrainConfig, None, {"train.steps": "10", "data.synthetic_samples": "64",
+                                             "distributed.strategy": "fsdp", "parallelism.strategy": "fsdp"})
+    assert cfg.parallelism.strategy == "fsdp"
+
+
+def test_moved_keys_in_a_recipe(deprecations) -> None:
+    from bertrain.pipeline.recipe import engine_config
+    sections = [("pretrain", {"distributed": {"strategy": "fsdp", "timeout_s": 100}}),
+                ("phase1", _run(distributed={"reshard_after_forward": False}))]
+    cfg = engine_config(PretrainConfig, sections, {})
+    assert (cfg.parallelism.strategy, cfg.parallelism.reshard_after_forward, cfg.distributed.timeout_s) == (
+        "fsdp", False, 100)
+    assert [line.split(" is deprecated")[0] for line in deprecations()] == [
+        "config key 'distributed.strategy' (in recipe section pretrain)",
+        "config key 'distributed.reshard_after_forward' (in recipe section phase1)"]
+    # an error names the recipe section that set the value (and the key by its new name)
+    with pytest.raises(ValueError, match=r"recipe key 'phase1.parallelism.dp_shard' must be >= 0"):
+        engine_config(PretrainConfig, [("phase1", _run(distributed={"dp_shard": -1}))], {})
+
+
+def test_a_checkpoint_saved_before_the_move_resumes_without_bogus_changes(tmp_path: Path, deprecations,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint's config.yaml with the old `distributed.strategy` layout, compared with today's config."""
+    import logging
+    from bertrain.train.resume import check_config
+
+    cfg = load_config(PretrainConfig, None, {"train.steps": "10", "data.synthetic_samples": "64",
+                                             "parallelism.strategy": "fsdp"})
+
+    def saved_before_the_move(**parallelism: object) -> Path:
+        old = to_dict(cfg)
+        moved = dict(old.pop("parallelism"), **parallelism)
+        old["distributed"].update(strategy=moved["strategy"], reshard_after_forward=moved["reshard_after_forward"],
+                                  fsdp_param_dtype=moved["param_dtype"], fsdp_reduce_dtype=moved["reduce_dtype"],
+                                  dp_shard=moved["dp_shard"])
+        step = tmp_path / f"step-{len(list(tmp_path.iterdir())) + 1}"
+        step.mkdir()
+        (step / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+        return step
+
+    with caplog.at_level(logging.INFO, logger="bertrain"):
+        assert check_config(saved_before_the_move(), cfg, allow_change=False) == {}
+    assert "resuming with" not in caplog.text and deprecations() == []  # nothing changed; nothing to fix there
+    with caplog.at_level(logging.INFO, logger="bertrain"):  # ddp -> fsdp keeps the run: taken, named by its new key
+        assert check_config(saved_before_the_move(strategy="ddp"), cfg, allow_change=False) == {}
+    assert "resuming with parallelism.strategy = 'fsdp' (was 'ddp')" in caplog.text
+    with pytest.raises(UserError, match=r"parallelism.reduce_dtype: 'bf16' -> 'fp32'"):  # changes the run: refused
+        check_config(saved_before_the_move(reduce_dtype="bf16"), cfg, allow_change=False)
 
 
 def test_batch_arithmetic() -> None:

@@ -134,3 +134,46 @@ def test_fp16_gradient_compression_keeps_ranks_identical(tmp_path: Path, runs: d
     fp32 = torch.load(runs[2] / "rank0.pt")["params"]
     assert_state_close(a, fp32, rtol=5e-2, atol=5e-3)
     assert any(not torch.equal(a[k], fp32[k]) for k in a)
+
+
+def _on_rank0_worker(rank: int, world_size: int, out: str) -> None:
+    """Every outcome of `on_rank0` on 2 ranks: a value, then rank 0 failing in each of the three exit-code classes
+    (short and long waits); each rank records what it saw, so a hang or a wrong error shows in the file."""
+    from bertrain.train.distributed import distributed_context, on_rank0
+    from bertrain.utils.errors import RunStopped, UserError
+
+    def fail(exc: BaseException):
+        def fn():
+            raise exc
+        return fn
+
+    seen = []
+    with distributed_context() as dist:
+        seen.append(("value", on_rank0("compute", lambda: {"rank": dist.rank, "n": 7})))
+        cases = [("user", UserError("bad key 'x'\nsecond line"), False), ("stopped", RunStopped("signal"), True),
+                 ("failed", KeyError("boom"), True), ("os", FileNotFoundError(2, "No such file", "/nope"), False)]
+        for name, exc, long in cases:
+            try:
+                on_rank0(f"do {name}", fail(exc), long=long)
+                seen.append((name, "no error"))
+            except BaseException as e:  # noqa: BLE001 - the type is what is checked
+                seen.append((name, type(e).__name__, str(e)))
+        seen.append(("after", on_rank0("finish", lambda: "done")))  # the group still works after every failure
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+def test_on_rank0_value_and_every_failure_reach_every_rank(tmp_path: Path) -> None:
+    spawn(_on_rank0_worker, 2, str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # the value computed on rank 0 reaches rank 1
+    assert r0[0] == r1[0] == ["value", {"rank": 0, "n": 7}]
+    # rank 0 raises its own exception; the others one of the same exit-code class naming what rank 0 could not do
+    assert r0[1] == ["user", "UserError", "bad key 'x'\nsecond line"]
+    assert r1[1] == ["user", "UserError", "rank 0 could not do user: bad key 'x'"]
+    assert r0[2] == ["stopped", "RunStopped", "signal"]
+    assert r1[2] == ["stopped", "RunStopped", "rank 0 could not do stopped: signal"]
+    assert r0[3] == ["failed", "KeyError", "'boom'"]
+    assert r1[3][:2] == ["failed", "RuntimeError"] and "rank 0 could not do failed: 'boom'" in r1[3][2]
+    assert r0[4][:2] == ["os", "FileNotFoundError"]
+    assert r1[4][:2] == ["os", "UserError"]  # a missing file is the user's to fix: exit 2 on every rank
+    assert r0[5] == r1[5] == ["after", "done"]

@@ -1,4 +1,4 @@
-"""distributed.strategy fsdp (FSDP2) on CPU/gloo: the same training as DDP, sharded.
+"""parallelism.strategy fsdp (FSDP2) on CPU/gloo: the same training as DDP, sharded.
 
 * Optimizers and clipping on sharded tensors equal the full-tensor maths (LAMB per-tensor and multi-tensor,
   NVLAMB, AdamW, BERT AdamW, RAdam), and an fp16 overflow on one rank's shard skips the step on every rank.
@@ -27,7 +27,7 @@ from bertrain.cli import main
 from bertrain.train import checkpoint as ckpt
 
 
-def config(out: Path, optim: str = "lamb", strategy: str = "fsdp", dropout: float = 0.1, **distributed) -> dict:
+def config(out: Path, optim: str = "lamb", strategy: str = "fsdp", dropout: float = 0.1, **parallelism) -> dict:
     """20 steps of a tiny BERT; global batch 16 = micro 2 x accumulation 4 x 2 ranks (x 2 x 4 ranks)."""
     return {
         "model": {"preset": "tiny", "dropout": dropout},
@@ -37,7 +37,8 @@ def config(out: Path, optim: str = "lamb", strategy: str = "fsdp", dropout: floa
         "optim": {"name": optim, "lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 1.0},
         "schedule": {"name": "poly", "warmup": 0.25},
         "checkpoint": {"save_interval": 5, "keep_last": 0},
-        "distributed": {"timeout_s": 120, "heartbeat_timeout_s": 60, "strategy": strategy, **distributed},
+        "distributed": {"timeout_s": 120, "heartbeat_timeout_s": 60},
+        "parallelism": {"strategy": strategy, **parallelism},
         "seed": 7, "output_dir": str(out),
     }
 
@@ -91,27 +92,27 @@ def test_configurations_that_do_not_fit_are_refused(tmp_path: Path, capsys: pyte
         return ParallelDims.from_config(from_dict(PretrainConfig, cfg), world)
 
     assert dims(4) == ParallelDims(dp_replicate=1, dp_shard=4) and dims(4).fsdp_enabled
-    assert dims(4, distributed__strategy="ddp") == ParallelDims(dp_replicate=4, dp_shard=1)
-    assert dims(4, distributed__dp_shard=2) == ParallelDims(dp_replicate=2, dp_shard=2)
-    with pytest.raises(ValueError, match="'distributed.strategy' is fsdp but the job has 1 rank") as refused:
+    assert dims(4, parallelism__strategy="ddp") == ParallelDims(dp_replicate=4, dp_shard=1)
+    assert dims(4, parallelism__dp_shard=2) == ParallelDims(dp_replicate=2, dp_shard=2)
+    with pytest.raises(ValueError, match="'parallelism.strategy' is fsdp but the job has 1 rank") as refused:
         dims(1)
     assert "dp_shard" not in str(refused.value)  # one message, not a second one about dp_shard
-    with pytest.raises(ValueError, match=r"'distributed.dp_shard' \(3\) must divide the world size \(4\)"):
-        dims(4, distributed__dp_shard=3)
-    with pytest.raises(ValueError, match=r"'distributed.dp_shard' \(2\) applies only with distributed.strategy"):
-        dims(4, distributed__strategy="ddp", distributed__dp_shard=2)
-    with pytest.raises(ValueError, match="'distributed.grad_compression'.*fsdp_reduce_dtype"):
+    with pytest.raises(ValueError, match=r"'parallelism.dp_shard' \(3\) must divide the world size \(4\)"):
+        dims(4, parallelism__dp_shard=3)
+    with pytest.raises(ValueError, match=r"'parallelism.dp_shard' \(2\) applies only with parallelism.strategy"):
+        dims(4, parallelism__strategy="ddp", parallelism__dp_shard=2)
+    with pytest.raises(ValueError, match="'distributed.grad_compression'.*'parallelism.reduce_dtype'"):
         dims(2, distributed__grad_compression="fp16")
     with pytest.raises(ValueError, match="fp16 need the loss scaling of 'precision.mode' fp16"):
-        dims(2, distributed__fsdp_param_dtype="fp16")
+        dims(2, parallelism__param_dtype="fp16")
     # keys that would silently do nothing under ddp; every problem reported at once
-    with pytest.raises(ValueError, match="'distributed.reshard_after_forward'.*; config key 'distributed.fsdp_reduce"):
-        dims(2, distributed__strategy="ddp", distributed__reshard_after_forward=False,
-             distributed__fsdp_reduce_dtype="bf16")
+    with pytest.raises(ValueError, match="'parallelism.reshard_after_forward'.*; config key 'parallelism.reduce_dtype"):
+        dims(2, parallelism__strategy="ddp", parallelism__reshard_after_forward=False,
+             parallelism__reduce_dtype="bf16")
     # through the CLI: a user error (exit 2) before any work, naming the key
     path = write(tmp_path / "one.json", config(tmp_path / "one"))
     assert main(["pretrain", "--config", str(path)]) == 2
-    assert "'distributed.strategy' is fsdp but the job has 1 rank" in capsys.readouterr().err
+    assert "'parallelism.strategy' is fsdp but the job has 1 rank" in capsys.readouterr().err
     assert not list((tmp_path / "one").glob("step-*"))
 
 
@@ -119,7 +120,9 @@ def test_configurations_that_do_not_fit_are_refused(tmp_path: Path, capsys: pyte
 
 def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     from bertrain.model.bert import BertConfig, BertForPreTraining
-    from bertrain.train.config import DistributedConfig, OptimConfig, PrecisionConfig, TrainConfig, TrainerConfig
+    from bertrain.train.config import (
+        DistributedConfig, OptimConfig, ParallelismConfig, PrecisionConfig, TrainConfig, TrainerConfig,
+    )
     from bertrain.train.distributed import init_distributed, no_sync
     from bertrain.train.optim import Lamb, build_optimizer
     from bertrain.train.parallel import apply_fsdp
@@ -127,7 +130,7 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     dist = init_distributed(DistributedConfig(timeout_s=60))
-    trainer_cfg = TrainerConfig(train=TrainConfig(steps=1), distributed=DistributedConfig(strategy="fsdp"),
+    trainer_cfg = TrainerConfig(train=TrainConfig(steps=1), parallelism=ParallelismConfig(strategy="fsdp"),
                                 output_dir=out)
     torch.manual_seed(0)
     batches = [torch.randint(1, 100, (4, 16)) for _ in range(3)]  # the same on every rank: FSDP's mean = the grad
@@ -168,7 +171,7 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
 
     # bf16: the mixed-precision policy gathers and computes in bf16 (fp32 shards); gradients close to autocast's
     bf16_cfg = TrainerConfig(train=TrainConfig(steps=1), precision=PrecisionConfig(mode="bf16"),
-                             distributed=DistributedConfig(strategy="fsdp"), output_dir=out)
+                             parallelism=ParallelismConfig(strategy="fsdp"), output_dir=out)
     torch.manual_seed(1)
     plain = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100, hidden_dropout_prob=0.0,
                                                       attention_probs_dropout_prob=0.0))
@@ -204,7 +207,7 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
         results["gathers"] = {}
         for reshard in (True, False):
             cfg = TrainerConfig(train=TrainConfig(steps=1), output_dir=out,
-                                distributed=DistributedConfig(strategy="fsdp", reshard_after_forward=reshard))
+                                parallelism=ParallelismConfig(strategy="fsdp", reshard_after_forward=reshard))
             model = apply_fsdp(BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100)), cfg, dist)
             counts[0] = 0
             for i in range(4):
@@ -296,7 +299,7 @@ def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path], tmp_path: Path,
             source.mkdir()
             (source / "step-20").symlink_to(step, target_is_directory=True)
         assert main(["export", str(source), str(tmp_path / source.name)]) == 2  # not "no config.json"
-        assert "sharded checkpoints (distributed.strategy: fsdp)" in capsys.readouterr().err
+        assert "sharded checkpoints (parallelism.strategy: fsdp)" in capsys.readouterr().err
     transformers = pytest.importorskip("transformers")
     hf = transformers.BertForPreTraining.from_pretrained(runs["fsdp-lamb"] / "final")
     ours = final(runs["fsdp-lamb"])
@@ -360,10 +363,10 @@ def test_ddp_checkpoint_continues_under_fsdp_and_back(runs: dict[str, Path], tmp
     """DDP step-5 -> FSDP (steps 6-15, sharded checkpoints) -> DDP (steps 16-20) == the straight DDP run."""
     to_fsdp, back = tmp_path / "to-fsdp", tmp_path / "back"
     log = pretrain(2, config(to_fsdp), "--resume", str(runs["ddp-lamb"] / "step-5"))
-    assert "resuming with distributed.strategy = 'fsdp' (was 'ddp')" in log
+    assert "resuming with parallelism.strategy = 'fsdp' (was 'ddp')" in log
     assert (to_fsdp / "step-15" / "dcp").is_dir()
     log = pretrain(2, config(back, strategy="ddp"), "--resume", str(to_fsdp / "step-15"))
-    assert "resuming with distributed.strategy = 'ddp' (was 'fsdp')" in log
+    assert "resuming with parallelism.strategy = 'ddp' (was 'fsdp')" in log
     assert (back / "step-20" / "model.safetensors").is_file()
     straight = records(runs["ddp-lamb"])
     assert_records_close(straight, records(to_fsdp), range(6, 16))
@@ -380,13 +383,13 @@ def test_ddp_checkpoint_continues_under_fsdp_and_back(runs: dict[str, Path], tmp
 def test_finetune_under_fsdp_equals_ddp(tmp_path: Path) -> None:
     """GLUE fine-tuning on 2 ranks, DDP and FSDP: the same weights, and the dev set scored by the model gathered
     back from the shards gives the same metrics."""
-    from test_tasks_finetune_engine import _argv, _data, _tiny_model
+    from helpers import finetune_argv as _argv, finetune_data as _data, save_tiny_model as _tiny_model
     data, model = _data("glue", tmp_path / "data"), _tiny_model(tmp_path / "init", 0.1)
     outs = {}
     for strategy in ("ddp", "fsdp"):
         outs[strategy] = tmp_path / strategy
         argv = _argv("glue", data, model, outs[strategy], 6, "--train.global_batch_size", "8",
-                     "--train.micro_batch_size", "2", "--distributed.strategy", strategy)
+                     "--train.micro_batch_size", "2", "--parallelism.strategy", strategy)
         for r in launch_cli(2, argv, timeout=600):
             assert r.returncode == 0, r.stdout[-3000:]
     assert (outs["fsdp"] / "step-6" / "dcp").is_dir()

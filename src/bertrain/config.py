@@ -11,18 +11,21 @@ does; `field_docs` reads those docstrings from the source so that they become th
 Loading is strict: an unknown key, or a value of the wrong type, is a `ValueError` that names the dotted key (and
 suggests the key that was probably meant). `__post_init__` of a config may raise `ValueError` for bad combinations;
 the message names the key, and `load_config` adds where each named key was set: the command line, the config file,
-or nowhere (the default).
+or nowhere (the default). A key that moved (`MOVED_KEYS`: `distributed.strategy` is now `parallelism.strategy`)
+is still read under its old name, with one deprecation line.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import collections
+import copy
 import dataclasses
 import difflib
 import functools
 import inspect
 import json
+import logging
 import os
 import re
 import textwrap
@@ -36,6 +39,8 @@ import yaml
 from bertrain.utils.io import atomic_write_text
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -223,6 +228,80 @@ def unknown_key_message(key: str, known: list[str] | tuple[str, ...], spell=lamb
     return f"unknown config key {spell(key)}; known keys{' in ' + head if head else ''}: {', '.join(here)}"
 
 
+# ----------------------------------------------------------------------------------------------- moved keys
+
+MOVED_KEYS = {
+    "distributed.strategy": "parallelism.strategy",
+    "distributed.reshard_after_forward": "parallelism.reshard_after_forward",
+    "distributed.fsdp_param_dtype": "parallelism.param_dtype",
+    "distributed.fsdp_reduce_dtype": "parallelism.reduce_dtype",
+    "distributed.dp_shard": "parallelism.dp_shard",
+}
+"""Keys that moved, old -> new. The old spelling still works wherever a config is read (a config file, a base
+config such as a recipe's sections, `--old.key` on the command line, a checkpoint's saved config.yaml): it is
+read as the new key, with one deprecation line per key and process."""
+
+_deprecation_said: set[str] = set()
+
+
+def _moved(old: str, where: str | None, warn: bool) -> str:
+    """The new name of the moved key `old`, saying once per process that the old one is deprecated."""
+    new = MOVED_KEYS[old]
+    if warn and old not in _deprecation_said:
+        _deprecation_said.add(old)
+        log.warning("config key '%s'%s is deprecated: read as '%s', its new name", old,
+                    f" ({where})" if where else "", new)
+    return new
+
+
+def _both_set(old: str, new: str, old_value: Any, new_value: Any, where: str | None) -> None:
+    if old_value != new_value:
+        raise ValueError(f"config keys '{old}' ({old_value!r}) and '{new}' ({new_value!r}) are both set"
+                         f"{f' ({where})' if where else ''}: '{old}' is the old name of '{new}'; keep only '{new}'")
+
+
+def upgrade_keys(data: dict[str, Any], where: str | None = None, warn: bool = True) -> dict[str, Any]:
+    """Nested config `data` with every moved key (`MOVED_KEYS`) at its new place (a copy if any moved); an old key
+    set beside its new one to another value is a ValueError naming both."""
+    out = data
+    for old, new in MOVED_KEYS.items():
+        section, _, leaf = old.rpartition(".")
+        node = _get_dotted(out, section)
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        if out is data:
+            out = copy.deepcopy(data)
+            node = _get_dotted(out, section)
+        value = node.pop(leaf)
+        new_section, _, new_leaf = new.rpartition(".")
+        target = _get_dotted(out, new_section)
+        if isinstance(target, dict) and new_leaf in target:
+            _both_set(old, new, value, target[new_leaf], where)
+        set_dotted(out, _moved(old, where, warn), value)
+    return out
+
+
+def upgrade_override_keys(overrides: dict[str, Any], warn: bool = True) -> dict[str, Any]:
+    """Dotted `overrides` (KEY -> value) with every moved key renamed (see `upgrade_keys`)."""
+    out = {k: v for k, v in overrides.items() if k not in MOVED_KEYS}
+    where = "on the command line"
+    for old in [k for k in overrides if k in MOVED_KEYS]:
+        new = _moved(old, where, warn)
+        if new in out:
+            _both_set(old, new, overrides[old], out[new], where)
+        out[new] = overrides[old]
+    return out
+
+
+def _get_dotted(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split(".") if key else []:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
 # ----------------------------------------------------------------------------------------------- load / dump
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", from_string: bool = False) -> T:
@@ -320,13 +399,14 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
 
     An error names where each key it mentions was set: on the command line, in the file, or nowhere (default).
     """
-    data: dict[str, Any] = _deep_merge({}, base or {})
+    base = upgrade_keys(base or {}, "in the base config")
+    data: dict[str, Any] = _deep_merge({}, base)
     file_data: dict[str, Any] = {}
     if path is not None:
-        file_data = load_file(path)
+        file_data = upgrade_keys(load_file(path), f"in {path}")
         data = _deep_merge(data, file_data)
-    overrides = dict(overrides or {})
-    sources = _Sources(path, file_data, overrides, base or {})
+    overrides = upgrade_override_keys(overrides or {})
+    sources = _Sources(path, file_data, overrides, base)
     if overrides:
         try:
             _resolve_strings(cls, data, overrides)
@@ -346,9 +426,9 @@ class _Sources:
     def __init__(self, path: str | os.PathLike | None, file_data: dict[str, Any], overrides: dict[str, Any],
                  base: dict[str, Any]) -> None:
         self.path = path
-        self.file_keys = set(_flatten(file_data))
+        self.file_keys = set(flatten(file_data))
         self.override_keys = set(overrides)
-        self.base_keys = set(_flatten(base))
+        self.base_keys = set(flatten(base))
 
     @staticmethod
     def _touches(key: str, keys: set[str]) -> bool:
@@ -398,13 +478,14 @@ class _Sources:
         return message
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}. Only leaves are
+    keys (an empty section has none); a `data` that is not a dict is the one leaf `prefix`."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
     for k, v in data.items():
-        key = _join(prefix, str(k))
-        out.append(key)
-        if isinstance(v, dict):
-            out.extend(_flatten(v, key))
+        out.update(flatten(v, _join(prefix, str(k))))
     return out
 
 
@@ -481,6 +562,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     Values stay strings here and are parsed by `load_config`, so file values and overrides share one strict path.
     """
     group = parser.add_argument_group("config keys (override any key of --config)")
+    known = config_keys(cls)
+    for old, new in MOVED_KEYS.items():  # still accepted, not shown: load_config reads them as the new key
+        if new in known and old not in known:
+            group.add_argument(f"--{old}", dest=f"moved:{old}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for key, tp, default, doc in iter_fields(cls):
         choices = ""
         metavar = tp.__name__.upper() if tp in (int, float, str, bool) else "VALUE"
@@ -494,11 +579,4 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
-    return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
-
-
-def add_resume_argument(parser: argparse.ArgumentParser) -> None:
-    """`--resume auto|PATH`, spelled and behaving the same for every training command."""
-    parser.add_argument("--resume", metavar="auto|PATH", default=None,
-                        help="continue from the newest complete checkpoint in output_dir (auto; from scratch if "
-                             "there is none) or from the checkpoint folder PATH")
+    return {k.partition(":")[2]: v for k, v in vars(args).items() if k.startswith(("cfg:", "moved:"))}

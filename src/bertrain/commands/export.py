@@ -40,7 +40,7 @@ def resolve_checkpoint(path: Path) -> Path:
     if not steps:
         sharded = [p for p in path.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / "dcp").is_dir()]
         if sharded or (path / "dcp").is_dir():
-            raise UserError(f"{path} holds sharded checkpoints (distributed.strategy: fsdp): their weights are "
+            raise UserError(f"{path} holds sharded checkpoints (parallelism.strategy: fsdp): their weights are "
                             "DCP shards for resuming, not an HF folder. Export the run's final/ folder (written at "
                             "the end of the run), or continue the run from the step with --resume and export its "
                             "final/")

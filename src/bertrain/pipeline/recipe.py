@@ -23,11 +23,13 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from bertrain.config import from_dict, load_config, load_file, set_dotted, to_dict
+from bertrain.config import from_dict, load_config, load_file, set_dotted, to_dict, upgrade_keys
 from bertrain.data.prepare import PrepareConfig
 from bertrain.data.readers import CorpusConfig
+from bertrain.pipeline.downstream import TASK_NAME
 from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig
 from bertrain.tasks.pretraining import PretrainConfig
+from bertrain.train.config import DistributedConfig
 from bertrain.utils.errors import UserError
 
 
@@ -165,6 +167,7 @@ def _refuse_pipeline_keys(data: dict[str, Any], keys: tuple[str, ...], section: 
 def engine_config(cls: type, sections: list[tuple[str, dict[str, Any]]], pipeline: dict[str, Any]) -> Any:
     """Build the engine config `cls` from recipe sections (later ones win) and the pipeline's own keys; an error
     names the recipe key that set the offending value (or says it is a default)."""
+    sections = [(name, upgrade_keys(section, f"in recipe section {name}")) for name, section in sections]
     data: dict[str, Any] = {}
     for _, section in sections:
         data = _merge(data, section)
@@ -216,9 +219,33 @@ def pretrain_config(recipe: Recipe, phase: int, run_dir: Path, vocab_file: Path,
     return engine_config(PretrainConfig, [("pretrain", recipe.pretrain), (f"phase{phase}", section)], pipeline)
 
 
+# The one process group of `bertrain run` serves every stage, so the keys that create it cannot differ per stage.
+PROCESS_GROUP_KEYS = ("backend", "device", "timeout_s")
+
+
+def process_group_config(recipe: Recipe) -> DistributedConfig:
+    """The settings of the process group every stage shares: the recipe's `pretrain.distributed` keys (the
+    section both pretraining phases share), built and checked by the engine's own config."""
+    section = recipe.pretrain.get("distributed") or {}
+    own = {f.name for f in dataclasses.fields(DistributedConfig)}  # other keys: checked with each stage's config
+    try:
+        return from_dict(DistributedConfig, {k: v for k, v in section.items() if k in own}, prefix="distributed")
+    except ValueError as e:
+        raise UserError(_recipe_message(str(e), [("pretrain", recipe.pretrain)])) from None
+
+
+def check_process_group(group: DistributedConfig, stages: list[tuple[str, DistributedConfig]]) -> None:
+    """Refuse a stage whose process-group keys differ from the group's: they could not take effect."""
+    for name, cfg in stages:
+        for key in PROCESS_GROUP_KEYS:
+            if getattr(cfg, key) != getattr(group, key):
+                raise UserError(f"stage {name}: distributed.{key} = {getattr(cfg, key)!r} differs from the recipe's "
+                                f"pretrain.distributed.{key} ({getattr(group, key)!r}); every stage runs in one "
+                                f"process group, created from pretrain.distributed: set the key there only")
+
+
 def finetune_config(recipe: Recipe, index: int, init: Path, output_dir: Path, seed: int,
                     task_data_dir: Path | None) -> GlueFinetuneConfig | SquadFinetuneConfig:
-    from bertrain.pipeline.downstream import TASK_NAME
     t = recipe.finetune[index]
     where = f"finetune[{index}].config"
     _refuse_pipeline_keys(t.config, PIPELINE_FINETUNE_KEYS, where, "the pretrained model, the stage folder and "

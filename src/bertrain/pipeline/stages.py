@@ -26,6 +26,7 @@ Wikipedia dump takes hours). One process group serves every stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -41,18 +42,26 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import yaml
 
-from bertrain.config import save_config, to_dict
+from bertrain.config import flatten, save_config, to_dict
+from bertrain.data.build import ensure_prepared, ensure_vocab
 from bertrain.data.readers import BUILTIN_PYTHON_DOCS, resolve_inputs
-from bertrain.data.tokenizer import VOCAB_STATS, read_vocab, train_vocab
-from bertrain.pipeline import downstream
-from bertrain.pipeline.recipe import (Recipe, finetune_config, prepare_config, pretrain_config, recipe_dict)
+from bertrain.data.tokenizer import read_vocab
+from bertrain.model.bert import BertForPreTraining
+from bertrain.model.hf import tokenizer_files_from_vocab
+from bertrain.pipeline import downstream, verdict
+from bertrain.pipeline.evaluate import summarize
+from bertrain.pipeline.recipe import (Recipe, check_process_group, finetune_config, prepare_config, pretrain_config,
+                                     process_group_config, recipe_dict)
+from bertrain.pipeline.report import write_report
+from bertrain.tasks.finetune import run_glue, run_squad
+from bertrain.tasks.pretraining import build_model, run_pretraining
 from bertrain.train.checkpoint import sha256_file
 from bertrain.train.config import resolve_batch
-from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.launch import launch_env
 from bertrain.train.resume import EXACT_KEYS
 from bertrain.utils.errors import RunStopped, UserError
-from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from bertrain.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 from bertrain.utils.rundir import OutputLock, claim_run_folder, holds_run, move_aside, read_run
 
 log = logging.getLogger(__name__)
@@ -84,19 +93,9 @@ def input_identity(spec: str) -> str:
 def _settings(cfg: Any, run_dir: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """The hashed part of an engine config: flat keys, without those that keep the result exact, with the run
     folder written as $RUN (moving a run folder redoes nothing)."""
-    flat: dict[str, Any] = {}
-
-    def walk(d: Any, prefix: str) -> None:
-        if isinstance(d, dict):
-            for k, v in d.items():
-                walk(v, f"{prefix}.{k}" if prefix else k)
-        else:
-            flat[prefix] = d
-
-    walk(to_dict(cfg), "")
     root = str(run_dir)
     out = {}
-    for key, value in flat.items():
+    for key, value in flatten(to_dict(cfg)).items():
         if any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXACT_KEYS + drop):
             continue
         if isinstance(value, str) and value.startswith(root):
@@ -136,6 +135,94 @@ class Stage:
     parts: dict[str, Any] = field(default_factory=dict)
 
 
+def build_stages(recipe: Recipe) -> list[Stage]:
+    """Every stage of the recipe with its engine config built (so validated) and its hash computed."""
+    run = recipe.run_dir
+    vocab_file = run / "vocab" / "vocab.txt"
+    stages = [vocab_stage(recipe), prepare_stage(recipe, vocab_file)]
+    stages += pretrain_stages(recipe, vocab_file, Path(stages[-1].config.output))
+    pretrained = stages[-1]  # the last pretraining phase: fine-tuning starts from its final/ weights
+    finetunes: list[Stage] = []
+    for i in range(len(recipe.finetune)):
+        task_stages = finetune_stages(recipe, i, pretrained, vocab_file)
+        stages += task_stages
+        finetunes += [s for s in task_stages if s.parallel]
+    if finetunes:
+        stages.append(evaluate_stage(recipe, finetunes))
+    stages.append(report_stage(recipe, stages))
+    by_name = {t.name: t for t in stages}
+    for s in stages:  # the hash chain: settings, inputs and the hashes of the stages a stage depends on
+        s.folder = run / s.name
+        s.parts = {"settings": s.settings, "inputs": s.inputs, "upstream": {n: by_name[n].hash for n in s.deps}}
+        s.hash = _digest(s.parts)
+    return stages
+
+
+# One builder per stage kind: each returns the stage(s) with what decides their result (settings, inputs) and
+# their work, a module-level function with its arguments bound (functools.partial), never a closure.
+
+def vocab_stage(recipe: Recipe) -> Stage:
+    """Train the WordPiece vocabulary on the corpus (or copy the recipe's vocab_file)."""
+    d = recipe.data
+    settings = {"input": list(d.input), "corpus": to_dict(d.corpus), "do_lower_case": d.do_lower_case,
+                "vocab_size": d.vocab_size, "min_frequency": d.min_frequency, "vocab_file": d.vocab_file}
+    inputs = ({f"data.vocab_file: {d.vocab_file}": input_identity(d.vocab_file)} if d.vocab_file
+              else corpus_inputs(recipe))
+    return Stage("vocab", "train the WordPiece vocabulary" if not d.vocab_file else "copy the vocabulary", False, (),
+                 settings, inputs, ("vocab.txt",), functools.partial(_vocab_work, d))
+
+
+def _vocab_work(d: Any, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    if d.vocab_file:
+        out = stage.folder / "vocab.txt"
+        atomic_write_bytes(out, Path(d.vocab_file).read_bytes())
+        return {"tokens": len(read_vocab(out))}
+    stats = ensure_vocab(d.input, stage.folder, d.vocab_size, d.do_lower_case, d.corpus, d.min_frequency)
+    return {"tokens": stats.get("num_tokens"), "words": stats.get("num_words")}
+
+
+def corpus_inputs(recipe: Recipe) -> dict[str, str]:
+    return {f"data.input: {s}": input_identity(s) for s in recipe.data.input}
+
+
+def prepare_stage(recipe: Recipe, vocab_file: Path) -> Stage:
+    """Tokenize the corpus into the token store both phases build their samples from."""
+    pcfg = prepare_config(recipe, recipe.run_dir, vocab_file)
+    return Stage("prepare", f"tokenize the corpus into a token store ({pcfg.masking} masking)", False, ("vocab",),
+                 _settings(pcfg, recipe.run_dir, drop=("workers",)), corpus_inputs(recipe),
+                 ("data/stats.json", "data/store.json"), functools.partial(_prepare_work, pcfg), config=pcfg)
+
+
+def _prepare_work(pcfg: Any, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    stats = ensure_prepared(pcfg)
+    return {k: stats.get(k) for k in ("num_documents", "num_tokens", "input_bytes", "tokens_per_s", "input_mb_per_s")}
+
+
+def pretrain_stages(recipe: Recipe, vocab_file: Path, prepared: Path) -> list[Stage]:
+    """Pretraining phase 1, then phase 2 (if the recipe has one) from phase 1's final weights."""
+    run = recipe.run_dir
+    stages: list[Stage] = []
+    for phase in [1, 2] if recipe.phase2 is not None else [1]:
+        init = run / f"pretrain-phase{phase - 1}" / "final" if phase > 1 else None
+        cfg = pretrain_config(recipe, phase, run, vocab_file, prepared, init)
+        length = f"{cfg.train.steps or cfg.train.epochs} {'steps' if cfg.train.steps else 'epochs'}"
+        deps = ("vocab", "prepare") + ((stages[-1].name,) if stages else ())
+        stages.append(Stage(f"pretrain-phase{phase}", f"pretrain MLM+NSP at sequence length "
+                            f"{cfg.sample.max_seq_length}, {length}", True, deps, _settings(cfg, run), {},
+                            ("final/model.safetensors",), functools.partial(_pretrain_work, cfg), config=cfg))
+    return stages
+
+
+def _pretrain_work(cfg: Any, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    result = run_pretraining(cfg, resume="auto")
+    if result.stopped_by_signal:
+        step = result.state.step
+        raise RunStopped(f"stopped by a signal in stage {stage.name} at step {step} (saved {cfg.output_dir}"
+                         f"/step-{step}); run the same `bertrain run` again to continue",
+                         checkpoint=Path(cfg.output_dir) / f"step-{step}")
+    return _pretrain_summary(Path(cfg.output_dir)) if dist.is_main else {}
+
+
 def _pretrain_summary(out: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "seq_per_s" in r]
@@ -147,170 +234,62 @@ def _pretrain_summary(out: Path) -> dict[str, Any]:
             "final_loss": last.get("loss"), "mlm_acc": last.get("mlm_acc"), "nsp_acc": last.get("nsp_acc")}
 
 
-def build_stages(recipe: Recipe) -> list[Stage]:
-    """Every stage of the recipe with its engine config built (so validated) and its hash computed."""
-    from bertrain.data.prepare import prepare
-    from bertrain.tasks.finetune import run_glue, run_squad
-    from bertrain.tasks.pretraining import build_model, run_pretraining
-
-    run = recipe.run_dir
-    d = recipe.data
-    vocab_file = run / "vocab" / "vocab.txt"
+def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: Path) -> list[Stage]:
+    """Task `index`: its data stage (built-in task only), then one fine-tuning run per initialisation (pretrained,
+    and random with `random_init`) and seed."""
+    task, run = recipe.finetune[index], recipe.run_dir
     stages: list[Stage] = []
-
-    # vocabulary
-    def vocab_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
-        out = stage.folder / "vocab.txt"
-        if d.vocab_file:
-            atomic_write_bytes(out, Path(d.vocab_file).read_bytes())
-            return {"tokens": len(read_vocab(out))}
-        if not (out.is_file() and (stage.folder / VOCAB_STATS).is_file()):  # both written together, last
-            train_vocab(list(d.input), stage.folder, vocab_size=d.vocab_size, lowercase=d.do_lower_case,
-                        min_frequency=d.min_frequency, overwrite=out.exists(), corpus=d.corpus)
-        stats = json.loads((stage.folder / VOCAB_STATS).read_text(encoding="utf-8"))
-        return {"tokens": stats.get("num_tokens"), "words": stats.get("num_words")}
-
-    corpus_inputs = {f"data.input: {s}": input_identity(s) for s in d.input}
-    vocab_settings = {"input": list(d.input), "corpus": to_dict(d.corpus), "do_lower_case": d.do_lower_case,
-                      "vocab_size": d.vocab_size, "min_frequency": d.min_frequency, "vocab_file": d.vocab_file}
-    stages.append(Stage("vocab", "train the WordPiece vocabulary" if not d.vocab_file else "copy the vocabulary",
-                        False, (), vocab_settings,
-                        {f"data.vocab_file: {d.vocab_file}": input_identity(d.vocab_file)} if d.vocab_file
-                        else corpus_inputs, ("vocab.txt",), vocab_work))
-
-    # prepare
-    pcfg = prepare_config(recipe, run, vocab_file)
-
-    def prepare_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
-        if not (Path(pcfg.output) / "stats.json").is_file():  # a folder that exists is complete (renamed last)
-            prepare(pcfg)
-        stats = json.loads((Path(pcfg.output) / "stats.json").read_text(encoding="utf-8"))
-        return {k: stats.get(k) for k in ("num_documents", "num_tokens", "input_bytes", "tokens_per_s",
-                                          "input_mb_per_s")}
-
-    stages.append(Stage("prepare", f"tokenize the corpus into a token store ({pcfg.masking} masking)", False,
-                        ("vocab",), _settings(pcfg, run, drop=("workers",)), corpus_inputs,
-                        ("data/stats.json", "data/store.json"), prepare_work, config=pcfg))
-
-    # pretraining, phase 1 then phase 2 from phase 1's final weights
-    prepared = Path(pcfg.output)
-    phases = [1, 2] if recipe.phase2 is not None else [1]
-    last_pretrain = None
-    for phase in phases:
-        init = run / f"pretrain-phase{phase - 1}" / "final" if phase > 1 else None
-        cfg = pretrain_config(recipe, phase, run, vocab_file, prepared, init)
-
-        def pretrain_work(stage: Stage, dist: DistInfo, cfg=cfg) -> dict[str, Any]:
-            result = run_pretraining(cfg, resume="auto")
-            if result.stopped_by_signal:
-                step = result.state.step
-                raise RunStopped(f"stopped by a signal in stage {stage.name} at step {step} (saved {cfg.output_dir}"
-                                 f"/step-{step}); run the same `bertrain run` again to continue",
-                                 checkpoint=Path(cfg.output_dir) / f"step-{step}")
-            return _pretrain_summary(Path(cfg.output_dir)) if dist.is_main else {}
-
-        name = f"pretrain-phase{phase}"
-        deps = ("vocab", "prepare") + ((last_pretrain,) if last_pretrain else ())
-        stages.append(Stage(name, f"pretrain MLM+NSP at sequence length {cfg.sample.max_seq_length}, "
-                                  f"{cfg.train.steps or cfg.train.epochs} {'steps' if cfg.train.steps else 'epochs'}",
-                            True, deps, _settings(cfg, run), {}, ("final/model.safetensors",), pretrain_work,
-                            config=cfg))
-        last_pretrain, last_cfg = name, cfg
-
-    # fine-tuning: each task, from the pretrained weights (and from random initialisation), over its seeds
-    finetune_names: list[str] = []
-    for i, task in enumerate(recipe.finetune):
-        data_dir = None
-        task_deps: tuple[str, ...] = ()
-        task_inputs: dict[str, str] = {}
-        if task.kind == "pydoc-topics":
-            data_dir = run / f"data-{task.name}" / "data"
-
-            def data_work(stage: Stage, dist: DistInfo, data_dir=data_dir) -> dict[str, Any]:
-                stats = downstream.write_task(data_dir)
-                atomic_write_json(stage.folder / "task-stats.json", stats)
-                return stats["examples"]
-
-            stages.append(Stage(f"data-{task.name}", "build the topic-of-docstring task from the standard library",
-                                False, (), {"task": downstream.TASK_NAME, "topics": downstream.TOPICS,
-                                            "min_chars": downstream.MIN_CHARS},
-                                {"python": f"{sys.version.split()[0]} {sys.platform}"},
-                                ("data/train.tsv", "data/dev.tsv"), data_work))
-            task_deps = (f"data-{task.name}",)
-        for init_kind in ("pretrained", "random") if task.random_init else ("pretrained",):
-            for seed in task.seeds:
-                name = f"finetune-{task.name}-{init_kind}-s{seed}"
-                folder = run / name
-                own_init = init_kind == "random" or task.reinit_pooler  # weights this stage writes itself
-                init = folder / "init" if own_init else run / last_pretrain / "final"
-                cfg = finetune_config(recipe, i, init, folder / "out", seed, data_dir)
-                if task.kind != "pydoc-topics" and not task_inputs:  # the task's files: once per task
-                    files = ([cfg.data.train_file, cfg.data.dev_file] if task.kind == "squad"
-                             else [cfg.data.data_dir])
-                    task_inputs = {f"finetune[{i}] data: {f}": input_identity(f) for f in files if f}
-                kind = task.kind
-
-                def ft_work(stage: Stage, dist: DistInfo, cfg=cfg, kind=kind) -> dict[str, Any]:
-                    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto")
-                    return {k: results.get(k) for k in ("train_examples_per_second", "train_seconds",
-                                                        "train_steps")} if results else {}
-
-                setup = None
-                settings = _settings(cfg, run)
-                if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
-                    settings["random_init.model"] = dict(to_dict(last_cfg.model), init=None)
-                    setup = functools.partial(_random_init, Path(cfg.init), last_cfg, seed, vocab_file, build_model)
-                elif task.reinit_pooler:
-                    settings["reinit_pooler"] = True
-                    setup = functools.partial(_reinit_pooler, Path(cfg.init), run / last_pretrain / "final", seed)
-
-                deps = (("vocab",) if init_kind == "random" else (last_pretrain,)) + task_deps
-                stages.append(Stage(name, f"fine-tune {task.name} from {init_kind} weights, seed {seed}", True,
-                                    deps, settings, task_inputs,
-                                    ("out/final/model.safetensors", "out/eval_results.json"), ft_work,
-                                    setup=setup, config=cfg))
-                finetune_names.append(name)
-
-    if recipe.finetune:
-        from bertrain.pipeline.evaluate import summarize
-
-        def eval_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
-            results = summarize(recipe, run)
-            atomic_write_json(stage.folder / "results.json", results)
-            return {"tasks": len(results["tasks"])}
-
-        stages.append(Stage("evaluate", "collect the dev-set results: mean and spread over seeds, baselines",
-                            False, tuple(finetune_names),
-                            {"tasks": [[t.name, t.kind, t.seeds, t.random_init] for t in recipe.finetune],
-                             "paper_model": recipe.report.paper_model}, {},
-                            ("results.json",), eval_work))
-
-    from bertrain.pipeline.report import write_report
-
-    def report_work(stage: Stage, dist: DistInfo) -> dict[str, Any]:
-        write_report(recipe, run, stages, stage.folder)
-        return {}
-
-    # The report shows the whole recipe and the run folder: any change to them (even the log interval) redoes it.
-    stages.append(Stage("report", "write report.md and report.html", False, tuple(s.name for s in stages),
-                        {"recipe": recipe_dict(recipe)}, {}, ("report.md", "report.html"), report_work))
-
-    for s in stages:  # the hash chain: settings, inputs and the hashes of the stages a stage depends on
-        by_name = {t.name: t for t in stages}
-        s.folder = run / s.name
-        s.parts = {"settings": s.settings, "inputs": s.inputs, "upstream": {n: by_name[n].hash for n in s.deps}}
-        s.hash = _digest(s.parts)
+    data_dir = None
+    if task.kind == "pydoc-topics":
+        data_dir = run / f"data-{task.name}" / "data"
+        stages.append(Stage(f"data-{task.name}", "build the topic-of-docstring task from the standard library",
+                            False, (), {"task": downstream.TASK_NAME, "topics": downstream.TOPICS,
+                                        "min_chars": downstream.MIN_CHARS},
+                            {"python": f"{sys.version.split()[0]} {sys.platform}"},
+                            ("data/train.tsv", "data/dev.tsv"), functools.partial(_task_data_work, data_dir)))
+    task_deps = tuple(s.name for s in stages)
+    task_inputs: dict[str, str] = {}
+    arch_cfg = pretrained.config  # the architecture a random initialisation copies
+    final = run / pretrained.name / "final"
+    for init_kind in ("pretrained", "random") if task.random_init else ("pretrained",):
+        for seed in task.seeds:
+            name = f"finetune-{task.name}-{init_kind}-s{seed}"
+            folder = run / name
+            own_init = init_kind == "random" or task.reinit_pooler  # weights this stage writes itself
+            cfg = finetune_config(recipe, index, folder / "init" if own_init else final, folder / "out", seed,
+                                  data_dir)
+            if task.kind != "pydoc-topics" and not task_inputs:  # the task's files: once per task
+                files = [cfg.data.train_file, cfg.data.dev_file] if task.kind == "squad" else [cfg.data.data_dir]
+                task_inputs = {f"finetune[{index}] data: {f}": input_identity(f) for f in files if f}
+            settings = _settings(cfg, run)
+            setup = None
+            if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
+                settings["random_init.model"] = dict(to_dict(arch_cfg.model), init=None)
+                setup = functools.partial(_random_init, Path(cfg.init), arch_cfg, seed, vocab_file)
+            elif task.reinit_pooler:
+                settings["reinit_pooler"] = True
+                setup = functools.partial(_reinit_pooler, Path(cfg.init), final, seed)
+            deps = (("vocab",) if init_kind == "random" else (pretrained.name,)) + task_deps
+            stages.append(Stage(name, f"fine-tune {task.name} from {init_kind} weights, seed {seed}", True, deps,
+                                settings, task_inputs, ("out/final/model.safetensors", "out/eval_results.json"),
+                                functools.partial(_finetune_work, cfg, task.kind), setup=setup, config=cfg))
     return stages
 
 
-def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, build_model: Callable,
-                 stage: Stage) -> None:
+def _task_data_work(data_dir: Path, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    stats = downstream.write_task(data_dir)
+    atomic_write_json(stage.folder / "task-stats.json", stats)
+    return stats["examples"]
+
+
+def _finetune_work(cfg: Any, kind: str, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto")
+    return {k: results.get(k) for k in ("train_examples_per_second", "train_seconds", "train_steps")} \
+        if results else {}
+
+
+def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, stage: Stage) -> None:
     """The same architecture as the pretrained model, randomly initialised (seeded), as an HF model folder."""
-    import dataclasses
-
-    from bertrain.model.hf import tokenizer_files_from_vocab
-    from bertrain.utils.io import atomic_dir
-
     if (folder / "config.json").is_file():  # complete (built under a temporary name, renamed)
         return
     cfg = dataclasses.replace(arch_cfg, model=dataclasses.replace(arch_cfg.model, init=None))
@@ -323,9 +302,6 @@ def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, build
 
 def _reinit_pooler(folder: Path, pretrained: Path, seed: int, stage: Stage) -> None:
     """The pretrained weights with the pooler drawn afresh (seeded), as an HF model folder."""
-    from bertrain.model.bert import BertForPreTraining
-    from bertrain.utils.io import atomic_dir
-
     if (folder / "config.json").is_file():
         return
     model = BertForPreTraining.from_pretrained(pretrained)
@@ -333,6 +309,34 @@ def _reinit_pooler(folder: Path, pretrained: Path, seed: int, stage: Stage) -> N
     model.init_weights(model.bert.pooler)
     with atomic_dir(folder, overwrite=True) as tmp:
         model.save_pretrained(tmp)
+
+
+def evaluate_stage(recipe: Recipe, finetunes: list[Stage]) -> Stage:
+    """Collect every fine-tuning run's dev results: mean and spread over seeds, baselines."""
+    return Stage("evaluate", "collect the dev-set results: mean and spread over seeds, baselines", False,
+                 tuple(s.name for s in finetunes),
+                 {"tasks": [[t.name, t.kind, t.seeds, t.random_init] for t in recipe.finetune],
+                  "paper_model": recipe.report.paper_model, "verdict_rule": verdict.RULE}, {}, ("results.json",),
+                 functools.partial(_evaluate_work, recipe))
+
+
+def _evaluate_work(recipe: Recipe, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    results = summarize(recipe, recipe.run_dir)
+    atomic_write_json(stage.folder / "results.json", results)
+    return {"tasks": len(results["tasks"])}
+
+
+def report_stage(recipe: Recipe, stages: list[Stage]) -> Stage:
+    """report.md and report.html over every stage before it."""
+    # The report shows the whole recipe and the run folder: any change to them (even the log interval) redoes it.
+    return Stage("report", "write report.md and report.html", False, tuple(s.name for s in stages),
+                 {"recipe": recipe_dict(recipe)}, {}, ("report.md", "report.html"),
+                 functools.partial(_report_work, recipe, list(stages)))
+
+
+def _report_work(recipe: Recipe, stages: list[Stage], stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    write_report(recipe, recipe.run_dir, stages + [stage], stage.folder)
+    return {}
 
 
 # ----------------------------------------------------------------------------------------------- decisions
@@ -440,53 +444,19 @@ def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[
     """Rank 0 locks the run folder for the whole command and claims it for `bertrain run` (a folder of another
     command is refused unless --overwrite, which moves it aside); every rank learns the outcome."""
     with contextlib.ExitStack() as held:
-        error: BaseException | None = None
-        if dist.is_main:
-            try:
-                held.enter_context(OutputLock(run_dir, "run"))
-                existing = read_run(run_dir)
-                foreign = (existing is not None and existing.get("command") != "run") or \
-                    (existing is None and holds_run(run_dir))
-                if foreign and not overwrite:
-                    raise UserError(f"run folder {run_dir} holds the outputs of another command: choose another "
-                                    "output_dir, or --overwrite (the old folder is moved aside, not deleted)")
-                claim_run_folder(run_dir, "run", None if overwrite else "auto", overwrite)
-            except BaseException as e:
-                error = e
-        if not broadcast_object(error is None):
-            raise error or UserError(f"rank 0 could not use the run folder {run_dir} (see its message)")
+
+        def claim() -> None:
+            held.enter_context(OutputLock(run_dir, "run"))
+            existing = read_run(run_dir)
+            foreign = (existing is not None and existing.get("command") != "run") or \
+                (existing is None and holds_run(run_dir))
+            if foreign and not overwrite:
+                raise UserError(f"run folder {run_dir} holds the outputs of another command: choose another "
+                                "output_dir, or --overwrite (the old folder is moved aside, not deleted)")
+            claim_run_folder(run_dir, "run", None if overwrite else "auto", overwrite)
+
+        on_rank0(f"use the run folder {run_dir}", claim)
         yield
-
-
-def _rank0(what: str, fn: Callable[[], Any], dist: DistInfo) -> Any:
-    """`fn()` on rank 0 while the other ranks wait (no time limit); an error on rank 0 stops every rank."""
-    error: BaseException | None = None
-    value = None
-    if dist.is_main:
-        try:
-            value = fn()
-        except BaseException as e:  # let the others leave the barrier before raising
-            error = e
-    barrier(waiting_for=f"rank 0 to {what}")
-    if not broadcast_object(error is None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"rank 0 failed to {what} (see its log)")
-    return broadcast_object(value)
-
-
-def _decide_on_rank0(stage: Stage, decisions: dict[str, Decision], dist: DistInfo) -> Decision:
-    """Rank 0 decides (it owns the folder) and every rank learns the decision — or the error, so none waits."""
-    outcome: tuple[Decision | None, BaseException | None] = (None, None)
-    if dist.is_main:
-        try:
-            outcome = (decide(stage, decisions), None)
-        except Exception as e:
-            outcome = (None, e)
-    decision, error = broadcast_object(outcome)
-    if error is not None:
-        raise error
-    return decision
 
 
 def _begin(stage: Stage, decision: Decision) -> None:
@@ -534,26 +504,30 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
         raise UserError("missing inputs: " + "; ".join(missing) + " — fix the recipe keys named, then run again")
     layout = launch_env()
     check_batches(stages, layout.world_size if layout else 1)
-    dist_cfg = next(s.config for s in stages if s.name == "pretrain-phase1").distributed
+    group = process_group_config(recipe)
+    check_process_group(group, [(s.name, s.config.distributed) for s in stages if s.parallel])
     decisions: dict[str, Decision] = {}
-    with distributed_context(dist_cfg) as dist, pipeline_folder(run_dir, dist, overwrite):
+    with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite):
         if dist.is_main:
             atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
         for stage in stages:
-            decision = _decide_on_rank0(stage, decisions, dist)
+            decision = on_rank0(f"decide stage {stage.name}", functools.partial(decide, stage, decisions))
             decisions[stage.name] = decision
             if dist.is_main:
                 log.info("stage %s: %s (%s)", stage.name, decision.action, decision.reason)
-            if decision.action == "skip":
-                continue
-            t0 = time.perf_counter()  # wall time of this attempt (a resumed stage: the rest of its work)
-            _rank0(f"set up stage {stage.name}", lambda: _begin(stage, decision), dist)
-            if stage.parallel:
-                summary = stage.work(stage, dist)
-                _rank0(f"finish stage {stage.name}", lambda: _finish(stage, summary, time.perf_counter() - t0), dist)
-            else:
-                def one() -> None:
-                    summary = stage.work(stage, dist)
-                    _finish(stage, summary, time.perf_counter() - t0)
-                _rank0(f"finish stage {stage.name}", one, dist)
+            if decision.action != "skip":
+                _run_stage(stage, decision, dist)
     return decisions
+
+
+def _run_stage(stage: Stage, decision: Decision, dist: DistInfo) -> None:
+    """Set the stage up and run it: on every rank (engine stages) or on rank 0 while the others wait."""
+    t0 = time.perf_counter()  # wall time of this attempt (a resumed stage: the rest of its work)
+    on_rank0(f"set up stage {stage.name}", functools.partial(_begin, stage, decision), long=True)
+    if stage.parallel:
+        summary = stage.work(stage, dist)
+        on_rank0(f"finish stage {stage.name}", lambda: _finish(stage, summary, time.perf_counter() - t0), long=True)
+    else:
+        def work_and_finish() -> None:
+            _finish(stage, stage.work(stage, dist), time.perf_counter() - t0)
+        on_rank0(f"run stage {stage.name}", work_and_finish, long=True)

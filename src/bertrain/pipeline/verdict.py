@@ -30,6 +30,9 @@ CONFIDENCE = 0.95
 
 HELPS, HURTS, INCONCLUSIVE = "pretraining helps", "pretraining hurts", "inconclusive"
 
+RULE = f"min 2 seeds a side; chance margin {CHANCE_MARGIN_POINTS:g} points; Welch {CONFIDENCE:.0%} interval"
+"""The rule in one line: part of the evaluate stage's hash, so a run folder scored under another rule is re-scored."""
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -7,6 +7,7 @@ resume are `bertrain.train.trainer.Trainer`'s, exactly as in pretraining. Evalua
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, ap
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import (BatchPlan, CheckpointConfig, OptimConfig, ScheduleConfig, TrainConfig,
                                    TrainerConfig)
-from bertrain.train.distributed import DistInfo, barrier, distributed_context
+from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer
@@ -297,12 +298,15 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
         def features(path: str, is_training: bool):
             examples = read_squad(path, version_2_with_negative=v2)
             # rank 0 builds the cache first; the others then read it instead of all tokenizing at once
-            if dist.is_main:
-                feats, _ = load_or_build_features(path, examples, tok, fcfg, is_training, d.cache_dir)
-            barrier(waiting_for="rank 0 to build the features")
+            built = {}
+
+            def build() -> None:
+                built["feats"], _ = load_or_build_features(path, examples, tok, fcfg, is_training, d.cache_dir)
+
+            on_rank0("build the features", build, long=True)
             if not dist.is_main:
-                feats, _ = load_or_build_features(path, examples, tok, fcfg, is_training, d.cache_dir)
-            return examples, feats
+                build()
+            return examples, built["feats"]
 
         if cfg.do_train:
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
@@ -324,7 +328,8 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                                              cfg.eval_batch_size, Precision(cfg.precision, dist.device),
                                              trim=cfg.train.trim_padding)
             eval_s = time.perf_counter() - t0
-            if dist.is_main:
+
+            def score() -> None:  # rank 0: post-processing, prediction files and the official metrics
                 pcfg = SquadPostprocessConfig(d.n_best_size, d.max_answer_length, d.null_score_diff_threshold)
                 preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg, v2)
                 write_prediction_files(out_dir, preds, nbest, null_odds if v2 else None)
@@ -344,11 +349,16 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                                                     "f1": at_best["f1"]}
                 atomic_write_json(out_dir / "eval_results.json", results)
                 log.info("SQuAD dev: %s", {k: v for k, v in results.items() if not isinstance(v, dict)})
-        if cfg.checkpoint.export_final and cfg.do_train and dist.is_main:
-            ckpt.export_final(out_dir, model, {"task.json": {
-                "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
-                "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
-        barrier(waiting_for="rank 0 to write the predictions and the final model")
+
+            on_rank0("score the dev predictions", score, long=True)
+
+        def export() -> None:
+            if cfg.checkpoint.export_final and cfg.do_train:
+                ckpt.export_final(out_dir, model, {"task.json": {
+                    "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
+                    "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
+
+        on_rank0("export the final model", export, long=True)
         return results if dist.is_main else {}
 
 
@@ -393,8 +403,9 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 feats, preds = predict(examples)
                 metrics = glue_compute_metrics(task.name, preds.tolist(), feats["labels"].tolist())
                 results[split_name] = {**metrics, "examples": len(examples)}
-                if dist.is_main:  # the dev predictions themselves, for error analysis
-                    write_dev_predictions(out_dir / f"{split_name}_predictions.tsv", task, examples, preds)
+                on_rank0("write the dev predictions",  # the dev predictions themselves, for error analysis
+                         functools.partial(write_dev_predictions, out_dir / f"{split_name}_predictions.tsv", task,
+                                           examples, preds))
                 if task.labels is not None:
                     counts = np.bincount(feats["labels"], minlength=task.num_labels)
                     results[split_name]["majority_baseline_accuracy"] = float(counts.max() / counts.sum())
@@ -404,17 +415,19 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             if all(p.is_file() for p in test_files):
                 for (split_name, examples), sub in zip(read_split(d.data_dir, task, "test"), task.submission):
                     _, preds = predict(examples)
-                    if dist.is_main:
-                        write_submission(out_dir / sub, task, examples, preds)
+                    on_rank0("write the test submission",
+                             functools.partial(write_submission, out_dir / sub, task, examples, preds))
                 results["test_predictions"] = list(task.submission)
             else:
                 log.info("no test file in %s: skipping test predictions", d.data_dir)
-        if dist.is_main:
+
+        def finish() -> None:
             atomic_write_json(out_dir / "eval_results.json", results)
             if cfg.checkpoint.export_final and cfg.do_train:
                 # label names and feature settings for `bertrain predict` / `Predictor`
                 ckpt.export_final(out_dir, model, {"task.json": {
                     "kind": "regression" if task.is_regression else "classification", "task": task.name,
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
-        barrier(waiting_for="rank 0 to write the results and the final model")
+
+        on_rank0("write the results and the final model", finish, long=True)
         return results if dist.is_main else {}

@@ -20,18 +20,19 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
-from bertrain.data.prepare import PrepareConfig, prepare
+from bertrain.data.build import ensure_prepared, ensure_vocab
+from bertrain.data.prepare import PrepareConfig
 from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
 from bertrain.data.readers import CorpusConfig
 from bertrain.data.samples import SampleConfig
 from bertrain.data.synthetic import SyntheticPretrainingLoader
-from bertrain.data.tokenizer import read_vocab, train_vocab
+from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
 from bertrain.model.hf import config_from_json_file, tokenizer_files_from_vocab
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
-from bertrain.train.config import BatchPlan, TrainerConfig, _check_all, _positive
-from bertrain.train.distributed import DistInfo, barrier, broadcast_object, distributed_context
+from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
+from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.metrics import plot_metrics
 from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer
@@ -74,7 +75,7 @@ class ModelConfig:
         for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                   "max_position_embeddings"):
             if getattr(self, k) is not None:
-                _positive(f"model.{k}", getattr(self, k))
+                check_positive(f"model.{k}", getattr(self, k))
         if not self.preset:
             raise ValueError("config key 'model.preset' must name a preset or a config.json path")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -107,12 +108,12 @@ class DataConfig:
     """synthetic only: the last rank gets this many micro-batches fewer per epoch (tests that uneven data never hangs)."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("data.vocab_size", self.vocab_size),
-            lambda: _positive("data.num_workers", self.num_workers, allow_zero=True),
-            lambda: _positive("data.synthetic_samples", self.synthetic_samples, allow_zero=True),
-            lambda: _positive("data.uneven_last_rank", self.uneven_last_rank, allow_zero=True),
-            lambda: _positive("data.dupe_factor", self.dupe_factor),
+        check_all([
+            lambda: check_positive("data.vocab_size", self.vocab_size),
+            lambda: check_positive("data.num_workers", self.num_workers, allow_zero=True),
+            lambda: check_positive("data.synthetic_samples", self.synthetic_samples, allow_zero=True),
+            lambda: check_positive("data.uneven_last_rank", self.uneven_last_rank, allow_zero=True),
+            lambda: check_positive("data.dupe_factor", self.dupe_factor),
         ])
 
     @property
@@ -147,50 +148,27 @@ class PretrainConfig(TrainerConfig):
 
 # ----------------------------------------------------------------------------------------------- the task
 
-class PretrainingTask:
-    """MLM + NSP on `BertForPreTraining`; the MLM loss runs only on the masked positions."""
+@dataclass(frozen=True)
+class PretrainingData:
+    """Where a run's samples come from, resolved once (`resolve_data`) before the task and its model are built."""
+    data_dir: Path | None
+    """The prepared folder (None: synthetic samples)."""
+    vocab_file: Path | None
+    vocab_size: int
+    """Entries of the data's vocabulary: the model's vocab_size."""
+    tokenizer_files: dict[str, bytes] | None
+    """The tokenizer files that travel with the model (vocab.txt, tokenizer_config.json, ...)."""
 
-    name = "pretrain"
-    loss_groups = ("mlm", "nsp")
 
-    def __init__(self, cfg: PretrainConfig) -> None:
-        self.cfg = cfg
-        self.vocab_size = cfg.data.vocab_size
-        self.tokenizer_files: dict[str, bytes] | None = None
-
-    def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Any:
-        """This rank's loader: synthetic, a prepared folder, or raw input prepared on the fly."""
-        cfg, d = self.cfg, self.cfg.data
-        if d.source == "synthetic":
-            return SyntheticPretrainingLoader(d.synthetic_samples, plan.micro_batch_size, dist.rank,
-                                              dist.world_size, cfg.seed, cfg.sample, d.vocab_size,
-                                              d.uneven_last_rank)
-        data_dir, vocab_file = self._data_folder(dist)
-        ds = PretrainingDataset(data_dir, cfg.sample, d.masking, cfg.seed)
-        ds.check_tokenizer(vocab_file, d.do_lower_case)
-        self.vocab_size = len(read_vocab(vocab_file))
-        self.tokenizer_files = tokenizer_files_from_vocab(vocab_file, d.do_lower_case)
-        log.info("data %s: %d samples per epoch, vocab %s (%d tokens)", data_dir, len(ds), vocab_file,
-                 self.vocab_size)
-        return PretrainingLoader(ds, plan.micro_batch_size, dist.rank, dist.world_size, seed=cfg.seed,
-                                 num_workers=d.num_workers)
-
-    def _data_folder(self, dist: DistInfo) -> tuple[Path, Path]:
-        """(prepared folder, vocab file); raw input is prepared by rank 0 while the others wait."""
-        d, out = self.cfg.data, Path(self.cfg.output_dir)
-        if d.source == "raw":
-            error = None
-            if dist.is_main:
-                try:
-                    prepare_on_the_fly(self.cfg)
-                except BaseException as e:  # let the other ranks leave the barrier before re-raising
-                    error = e
-            barrier(waiting_for="rank 0 to prepare the data")
-            if not broadcast_object(error is None):
-                if error is not None:
-                    raise error
-                raise RuntimeError("rank 0 failed to prepare the data (see its log)")
-            return out / "data", Path(d.vocab_file) if d.vocab_file else out / "vocab" / "vocab.txt"
+def resolve_data(cfg: PretrainConfig, dist: DistInfo) -> PretrainingData:
+    """The prepared folder and vocabulary of the run (every rank calls it): synthetic, a prepared folder, or raw
+    input, whose vocabulary and token store rank 0 builds into OUTPUT/vocab and OUTPUT/data while the others wait."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return PretrainingData(None, None, d.vocab_size, None)
+    if d.source == "raw":
+        data_dir, vocab_file = on_rank0("prepare the data", lambda: prepare_on_the_fly(cfg), long=True)
+    else:
         data_dir = Path(d.prepared)
         if not data_dir.is_dir():
             raise ValueError(f"config key 'data.prepared': {data_dir} is not a folder")
@@ -198,10 +176,35 @@ class PretrainingTask:
         if not vocab_file.is_file():
             raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist (give the vocab the data "
                              "was prepared with)")
-        return data_dir, vocab_file
+    return PretrainingData(data_dir, vocab_file, len(read_vocab(vocab_file)),
+                           tokenizer_files_from_vocab(vocab_file, d.do_lower_case))
+
+
+class PretrainingTask:
+    """MLM + NSP on `BertForPreTraining`; the MLM loss runs only on the masked positions."""
+
+    name = "pretrain"
+    loss_groups = ("mlm", "nsp")
+
+    def __init__(self, cfg: PretrainConfig, data: PretrainingData) -> None:
+        self.cfg, self.data = cfg, data
+
+    def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Any:
+        """This rank's loader over synthetic samples or the prepared folder."""
+        cfg, d, data = self.cfg, self.cfg.data, self.data
+        if data.data_dir is None:
+            return SyntheticPretrainingLoader(d.synthetic_samples, plan.micro_batch_size, dist.rank,
+                                              dist.world_size, cfg.seed, cfg.sample, d.vocab_size,
+                                              d.uneven_last_rank)
+        ds = PretrainingDataset(data.data_dir, cfg.sample, d.masking, cfg.seed)
+        ds.check_tokenizer(data.vocab_file, d.do_lower_case)
+        log.info("data %s: %d samples per epoch, vocab %s (%d tokens)", data.data_dir, len(ds), data.vocab_file,
+                 data.vocab_size)
+        return PretrainingLoader(ds, plan.micro_batch_size, dist.rank, dist.world_size, seed=cfg.seed,
+                                 num_workers=d.num_workers)
 
     def build_model(self) -> nn.Module:
-        return build_model(self.cfg, self.vocab_size, self.tokenizer_files)
+        return build_model(self.cfg, self.data.vocab_size, self.data.tokenizer_files)
 
     def target_counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         return [int((batch["masked_labels"] != -100).sum()), int((batch["next_sentence_labels"] != -100).sum())]
@@ -219,22 +222,21 @@ class PretrainingTask:
 
 
 def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
-    """(data dir, vocab file) under the output folder, building what is missing (call on rank 0 only)."""
+    """(data dir, vocab file) under the output folder, building what is missing (`bertrain.data.build`, the
+    routine of the pipeline's vocab and prepare stages too); call it on rank 0 only."""
     d, out = cfg.data, Path(cfg.output_dir)
-    vocab_file = Path(d.vocab_file) if d.vocab_file else out / "vocab" / "vocab.txt"
-    if not vocab_file.exists():
-        if d.vocab_file:
+    corpus = CorpusConfig(encoding=d.encoding)
+    if d.vocab_file:
+        vocab_file = Path(d.vocab_file)
+        if not vocab_file.is_file():
             raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist")
-        log.info("training a %d-token WordPiece vocabulary on %s", d.vocab_size, ", ".join(d.input))
-        train_vocab(list(d.input), vocab_file.parent, vocab_size=d.vocab_size, lowercase=d.do_lower_case,
-                    corpus=CorpusConfig(encoding=d.encoding))
+    else:
+        vocab_file = out / "vocab" / "vocab.txt"
+        ensure_vocab(d.input, vocab_file.parent, d.vocab_size, d.do_lower_case, corpus)
     data_dir = out / "data"
-    if not (data_dir / "stats.json").exists():
-        log.info("preparing %s into %s", ", ".join(d.input), data_dir)
-        prepare(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
-                              masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
-                              do_lower_case=d.do_lower_case, seed=cfg.seed, corpus=CorpusConfig(encoding=d.encoding),
-                              overwrite=data_dir.exists()))
+    ensure_prepared(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
+                                  masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
+                                  do_lower_case=d.do_lower_case, seed=cfg.seed, corpus=corpus))
     return data_dir, vocab_file
 
 
@@ -308,15 +310,22 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
     out = Path(cfg.output_dir)
     check_model_fits_samples(cfg)
     with distributed_context(cfg.distributed) as dist, run_folder(out, "pretrain", dist, resume, overwrite):
-        run = Trainer(cfg, dist).fit(PretrainingTask(cfg), resume, allow_config_change)
+        task = PretrainingTask(cfg, resolve_data(cfg, dist))
+        run = Trainer(cfg, dist).fit(task, resume, allow_config_change)
         result = PretrainResult(run, out)
-        if dist.is_main and not run.stopped_by_signal:
-            _plot(out)
-            if cfg.checkpoint.export_final:
-                with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact"):
-                    result.final_dir = ckpt.export_final(out, run.model)
-        barrier(waiting_for="rank 0 to export the final model")
+        if not run.stopped_by_signal:
+            result.final_dir = on_rank0("export the final model", lambda: _finish(cfg, run.model), long=True)
         return result
+
+
+def _finish(cfg: PretrainConfig, model: nn.Module) -> Path | None:
+    """Rank 0, after the last step: the metrics plot and the final model in HF format (OUTPUT/final)."""
+    out = Path(cfg.output_dir)
+    _plot(out)
+    if not cfg.checkpoint.export_final:
+        return None
+    with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact"):
+        return ckpt.export_final(out, model)
 
 
 def check_model_fits_samples(cfg: PretrainConfig) -> None:

@@ -7,7 +7,7 @@ state of every rank, data-loader state, step / samples / epoch); `config.yaml` (
 temporary name and renamed into place, so a crash leaves either the whole folder or none. `latest_checkpoint`
 returns the newest folder that is complete and whose checksums match, reporting and skipping the others.
 
-Under `distributed.strategy: fsdp` the weights and optimizer state are sharded instead (`dcp/`, every rank writes
+Under `parallelism.strategy: fsdp` the weights and optimizer state are sharded instead (`dcp/`, every rank writes
 its own part: `train/dcp.py`), with the same manifest, marker and checks.
 """
 from __future__ import annotations

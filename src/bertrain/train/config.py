@@ -13,12 +13,12 @@ from typing import Literal
 from bertrain.model.options import ModelOptionsConfig
 
 
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
     if not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def _check_all(checks: list) -> None:
+def check_all(checks: list) -> None:
     """Run every check and report all problems at once (litgpt style), each naming its key."""
     errors = []
     for check in checks:
@@ -56,14 +56,14 @@ class OptimConfig:
     """Global batch size that `lr` was tuned for (used only with scale_lr_with_batch)."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("optim.lr", self.lr),
-            lambda: _positive("optim.eps", self.eps),
-            lambda: _positive("optim.weight_decay", self.weight_decay, allow_zero=True),
-            lambda: _positive("optim.max_grad_norm", self.max_grad_norm, allow_zero=True),
-            lambda: _positive("optim.min_trust_ratio", self.min_trust_ratio, allow_zero=True),
-            lambda: _positive("optim.max_trust_ratio", self.max_trust_ratio),
-            lambda: _positive("optim.base_batch_size", self.base_batch_size),
+        check_all([
+            lambda: check_positive("optim.lr", self.lr),
+            lambda: check_positive("optim.eps", self.eps),
+            lambda: check_positive("optim.weight_decay", self.weight_decay, allow_zero=True),
+            lambda: check_positive("optim.max_grad_norm", self.max_grad_norm, allow_zero=True),
+            lambda: check_positive("optim.min_trust_ratio", self.min_trust_ratio, allow_zero=True),
+            lambda: check_positive("optim.max_trust_ratio", self.max_trust_ratio),
+            lambda: check_positive("optim.base_batch_size", self.base_batch_size),
             self._check_betas, self._check_trust,
         ])
 
@@ -95,11 +95,11 @@ class ScheduleConfig:
     """warmup_exp_decay_exp: warmup rises as (t/warmup)^warmup_power (DeepSpeed's degree 2)."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("schedule.warmup", self.warmup, allow_zero=True),
-            lambda: _positive("schedule.power", self.power),
-            lambda: _positive("schedule.decay_steps", self.decay_steps),
-            lambda: _positive("schedule.warmup_power", self.warmup_power),
+        check_all([
+            lambda: check_positive("schedule.warmup", self.warmup, allow_zero=True),
+            lambda: check_positive("schedule.power", self.power),
+            lambda: check_positive("schedule.decay_steps", self.decay_steps),
+            lambda: check_positive("schedule.warmup_power", self.warmup_power),
             self._check_ratios,
         ])
 
@@ -128,11 +128,11 @@ class PrecisionConfig:
     """fp16: double the scale after this many steps without overflow."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("precision.initial_loss_scale", self.initial_loss_scale),
-            lambda: _positive("precision.min_loss_scale", self.min_loss_scale, allow_zero=True),
-            lambda: _positive("precision.max_consecutive_skips", self.max_consecutive_skips),
-            lambda: _positive("precision.growth_interval", self.growth_interval),
+        check_all([
+            lambda: check_positive("precision.initial_loss_scale", self.initial_loss_scale),
+            lambda: check_positive("precision.min_loss_scale", self.min_loss_scale, allow_zero=True),
+            lambda: check_positive("precision.max_consecutive_skips", self.max_consecutive_skips),
+            lambda: check_positive("precision.growth_interval", self.growth_interval),
         ])
 
 
@@ -156,31 +156,14 @@ class DistributedConfig:
     stop_grace_s: float = 20.0
     """After SIGTERM/SIGINT, seconds to wait for the step in flight to finish; past it the step counts as hung and
     the process exits (code 3) naming the last complete checkpoint. Keep it below the scheduler's kill delay."""
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Data parallelism: ddp (every rank holds full weights, gradients and optimizer state) or fsdp (PyTorch FSDP2:
-    each rank holds 1/world of them, weights are all-gathered per layer for forward and backward; see
-    train/parallel.py). Checkpoints of either resume under the other."""
-    reshard_after_forward: bool = True
-    """fsdp: free each layer's gathered weights after its forward and gather them again for backward, on every
-    micro-step (ZeRO-3: least memory, most traffic); false gathers them once per optimizer step and keeps them
-    through all micro-steps (full weights on every rank like ddp, gradients and optimizer state sharded)."""
-    fsdp_param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """fsdp: dtype in which weights are all-gathered and computed (auto: bf16/fp16 under precision.mode bf16/fp16,
-    else fp32); the sharded master weights and the optimizer stay fp32."""
-    fsdp_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fsdp: dtype of the gradient reduce-scatter (16 bits halves its bytes; fp32 keeps gradients exact)."""
-    dp_shard: int = 0
-    """fsdp: ranks that share one copy of the states (0: all ranks). Fewer than the world size is HSDP: states
-    sharded within groups of dp_shard ranks (e.g. one node), replicated across the world / dp_shard groups."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("distributed.timeout_s", self.timeout_s),
-            lambda: _positive("distributed.bucket_cap_mb", self.bucket_cap_mb),
-            lambda: _positive("distributed.heartbeat_interval_s", self.heartbeat_interval_s),
-            lambda: _positive("distributed.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=True),
-            lambda: _positive("distributed.stop_grace_s", self.stop_grace_s),
-            lambda: _positive("distributed.dp_shard", self.dp_shard, allow_zero=True),
+        check_all([
+            lambda: check_positive("distributed.timeout_s", self.timeout_s),
+            lambda: check_positive("distributed.bucket_cap_mb", self.bucket_cap_mb),
+            lambda: check_positive("distributed.heartbeat_interval_s", self.heartbeat_interval_s),
+            lambda: check_positive("distributed.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_zero=True),
+            lambda: check_positive("distributed.stop_grace_s", self.stop_grace_s),
             self._check_heartbeat,
         ])
 
@@ -198,6 +181,29 @@ class DistributedConfig:
 
 
 @dataclass
+class ParallelismConfig:
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism: ddp (every rank holds full weights, gradients and optimizer state) or fsdp (PyTorch FSDP2:
+    each rank holds 1/world of them, weights are all-gathered per layer for forward and backward; see
+    train/parallel.py). Checkpoints of either resume under the other."""
+    reshard_after_forward: bool = True
+    """fsdp: free each layer's gathered weights after its forward and gather them again for backward, on every
+    micro-step (ZeRO-3: least memory, most traffic); false gathers them once per optimizer step and keeps them
+    through all micro-steps (full weights on every rank like ddp, gradients and optimizer state sharded)."""
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """fsdp: dtype in which weights are all-gathered and computed (auto: bf16/fp16 under precision.mode bf16/fp16,
+    else fp32); the sharded master weights and the optimizer stay fp32."""
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fsdp: dtype of the gradient reduce-scatter (16 bits halves its bytes; fp32 keeps gradients exact)."""
+    dp_shard: int = 0
+    """fsdp: ranks that share one copy of the states (0: all ranks). Fewer than the world size is HSDP: states
+    sharded within groups of dp_shard ranks (e.g. one node), replicated across the world / dp_shard groups."""
+
+    def __post_init__(self) -> None:
+        check_positive("parallelism.dp_shard", self.dp_shard, allow_zero=True)
+
+
+@dataclass
 class CheckpointConfig:
     save_interval: int = 1000
     """Save a checkpoint folder OUTPUT/step-N every this many steps (0: only at the end)."""
@@ -207,9 +213,9 @@ class CheckpointConfig:
     """Also export the final model in HF format to OUTPUT/final."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("checkpoint.save_interval", self.save_interval, allow_zero=True),
-            lambda: _positive("checkpoint.keep_last", self.keep_last, allow_zero=True),
+        check_all([
+            lambda: check_positive("checkpoint.save_interval", self.save_interval, allow_zero=True),
+            lambda: check_positive("checkpoint.keep_last", self.keep_last, allow_zero=True),
         ])
 
 
@@ -233,13 +239,13 @@ class TrainConfig:
     """Drop padding columns beyond the longest sequence of each micro-batch (same result, less compute)."""
 
     def __post_init__(self) -> None:
-        _check_all([
-            lambda: _positive("train.steps", self.steps, allow_zero=True),
-            lambda: _positive("train.epochs", self.epochs, allow_zero=True),
-            lambda: _positive("train.global_batch_size", self.global_batch_size, allow_zero=True),
-            lambda: _positive("train.micro_batch_size", self.micro_batch_size),
-            lambda: _positive("train.accumulation", self.accumulation, allow_zero=True),
-            lambda: _positive("train.log_interval", self.log_interval),
+        check_all([
+            lambda: check_positive("train.steps", self.steps, allow_zero=True),
+            lambda: check_positive("train.epochs", self.epochs, allow_zero=True),
+            lambda: check_positive("train.global_batch_size", self.global_batch_size, allow_zero=True),
+            lambda: check_positive("train.micro_batch_size", self.micro_batch_size),
+            lambda: check_positive("train.accumulation", self.accumulation, allow_zero=True),
+            lambda: check_positive("train.log_interval", self.log_interval),
             self._check_length,
         ])
 
@@ -295,7 +301,9 @@ class TrainerConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Numeric precision (fp32 | tf32 | bf16 | fp16)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    """Process group and device."""
+    """Communication and health: process group, device, timeouts, heartbeat, stop grace."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """How the ranks divide the model: ddp or fsdp (sharding, its dtypes, HSDP groups)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint folders."""
     model_options: ModelOptionsConfig = field(default_factory=ModelOptionsConfig)

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`distributed.strategy: fsdp`) through `torch.distributed.checkpoint` (DCP), and loading
+"""Sharded checkpoints (`parallelism.strategy: fsdp`) through `torch.distributed.checkpoint` (DCP), and loading
 either kind of checkpoint into either kind of model.
 
 An FSDP checkpoint is the same `OUTPUT/step-N/` folder as a DDP one (`train/checkpoint.py`), with the weights and

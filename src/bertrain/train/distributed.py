@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from bertrain.train.config import DistributedConfig
 from bertrain.train.launch import check_layout, describe_layout, launch_env, restart_isolated_store
+from bertrain.utils.errors import RunStopped, UserError, is_user_os_error
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,59 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     torch_dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+T = TypeVar("T")
+
+
+def on_rank0(what: str, fn: Callable[[], T], long: bool = False) -> T:
+    """Rank 0 does `fn()` while the other ranks wait; every rank learns the outcome: rank 0's return value (which
+    must pickle), or its error raised on every rank. The one place for "rank 0 does it, the others wait".
+
+    `what` completes "rank 0 could not ..." (e.g. "prepare the data"). `long`: the others wait in the rendezvous
+    store with no time limit (`barrier(waiting_for=...)`: work that may take longer than a collective's timeout,
+    such as preparing a corpus); else in a collective, which fails after `distributed.timeout_s`.
+
+    Rank 0 re-raises its own exception; the others raise one of the same kind with its first line, so every rank
+    exits with the same code (2 for a user error, 3 for a stop, 1 otherwise) and none waits for a rank that gave
+    up. Call it on every rank, in the same order."""
+    value: Any = None
+    error: BaseException | None = None
+    if not is_distributed():
+        return fn()
+    if torch_dist.get_rank() == 0:
+        try:
+            value = fn()
+        except BaseException as e:  # the other ranks must hear about it before anyone raises
+            error = e
+    if long:
+        barrier(waiting_for=f"rank 0 to {what}")
+    outcome = broadcast_object(("ok", value) if error is None else (_error_kind(error), _first_line(error)))
+    if error is not None:
+        raise error
+    kind, payload = outcome
+    if kind == "ok":
+        return payload
+    message = f"rank 0 could not {what}: {payload}"
+    if kind == "user":
+        raise UserError(message)
+    if kind == "stopped":
+        raise RunStopped(message)
+    raise RuntimeError(message + " (see rank 0's log)")
+
+
+def _error_kind(e: BaseException) -> str:
+    """How the other ranks should fail when rank 0 failed with `e` (the exit-code classes of utils/errors.py)."""
+    if isinstance(e, (RunStopped, KeyboardInterrupt)):
+        return "stopped"
+    if isinstance(e, ValueError) or is_user_os_error(e):
+        return "user"
+    return "failed"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 _long_waits = itertools.count()

@@ -9,7 +9,7 @@
   `torch.optim.AdamW` itself. `torch.optim.RAdam` for radam.
 * `build_optimizer` puts biases and LayerNorm parameters in a group without weight decay.
 
-Under FSDP2 (`distributed.strategy: fsdp`) parameters, gradients and moments are `DTensor`s sharded on dim 0.
+Under FSDP2 (`parallelism.strategy: fsdp`) parameters, gradients and moments are `DTensor`s sharded on dim 0.
 LAMB and BertAdamW then work on the local shards (the maths is elementwise), except for the norms: a trust ratio
 needs ||w|| and ||update|| of the *full* tensor and NVLAMB the global gradient norm, so each rank sums the squares
 of its shards and one all-reduce per parameter group adds them up (never a gather of the full tensors).

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from bertrain.model.bert import BertLayer
-from bertrain.train.config import DistributedConfig, TrainerConfig
+from bertrain.train.config import ParallelismConfig, TrainerConfig
 from bertrain.train.distributed import DistInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class ParallelDims:
     """dp_replicate x dp_shard = world size: ddp replicates over every rank; fsdp shards over `dp_shard` ranks
-    (`distributed.dp_shard`, all by default) and replicates over the rest (HSDP)."""
+    (`parallelism.dp_shard`, all by default) and replicates over the rest (HSDP)."""
     dp_replicate: int
     dp_shard: int
 
@@ -51,30 +51,31 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig, world_size: int) -> "ParallelDims":
-        """The degrees for `cfg.distributed` on `world_size` ranks; a ValueError naming every key that does not fit."""
-        d, mode = cfg.distributed, cfg.precision.mode
-        fsdp = d.strategy == "fsdp"
+        """The degrees for `cfg.parallelism` on `world_size` ranks; a ValueError naming every key that does not fit."""
+        p, mode = cfg.parallelism, cfg.precision.mode
+        fsdp = p.strategy == "fsdp"
         errors = []  # all at once, each naming its key
         if fsdp and world_size < 2:
-            errors.append("config key 'distributed.strategy' is fsdp but the job has 1 rank: there is nothing to "
+            errors.append("config key 'parallelism.strategy' is fsdp but the job has 1 rank: there is nothing to "
                           "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N)")
-        if fsdp and d.grad_compression != "none":
-            errors.append(f"config key 'distributed.grad_compression' ({d.grad_compression}) is a DDP allreduce hook; "
-                          "under fsdp set 'distributed.fsdp_reduce_dtype' instead (the reduce-scatter dtype)")
-        if fsdp and "fp16" in (d.fsdp_param_dtype, d.fsdp_reduce_dtype) and mode != "fp16":
-            errors.append("config keys 'distributed.fsdp_param_dtype'/'fsdp_reduce_dtype' fp16 need the loss scaling "
+        compression = cfg.distributed.grad_compression
+        if fsdp and compression != "none":
+            errors.append(f"config key 'distributed.grad_compression' ({compression}) is a DDP allreduce hook; "
+                          "under fsdp set 'parallelism.reduce_dtype' instead (the reduce-scatter dtype)")
+        if fsdp and "fp16" in (p.param_dtype, p.reduce_dtype) and mode != "fp16":
+            errors.append("config keys 'parallelism.param_dtype'/'reduce_dtype' fp16 need the loss scaling "
                           f"of 'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16")
-        shard = d.dp_shard or world_size
+        shard = p.dp_shard or world_size
         if fsdp and world_size >= 2 and (shard < 2 or world_size % shard):
-            errors.append(f"config key 'distributed.dp_shard' ({d.dp_shard}) must divide the world size "
+            errors.append(f"config key 'parallelism.dp_shard' ({p.dp_shard}) must divide the world size "
                           f"({world_size}) and be at least 2: dp_replicate x dp_shard = world size; use 0 for all "
                           "ranks, or a divisor such as the GPUs per node")
         if not fsdp:
-            default = DistributedConfig()
-            errors += [f"config key 'distributed.{key}' ({getattr(d, key)}) applies only with distributed.strategy "
-                       f"fsdp (it is {d.strategy}); remove it or set the strategy to fsdp"
-                       for key in ("reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype", "dp_shard")
-                       if getattr(d, key) != getattr(default, key)]
+            default = ParallelismConfig()
+            errors += [f"config key 'parallelism.{key}' ({getattr(p, key)}) applies only with parallelism.strategy "
+                       f"fsdp (it is {p.strategy}); remove it or set the strategy to fsdp"
+                       for key in ("reshard_after_forward", "param_dtype", "reduce_dtype", "dp_shard")
+                       if getattr(p, key) != getattr(default, key)]
         if errors:
             raise ValueError("; ".join(errors))
         return cls(world_size // shard, shard) if fsdp else cls(world_size, 1)
@@ -82,13 +83,13 @@ class ParallelDims:
 
 def mixed_precision_policy(cfg: TrainerConfig) -> MixedPrecisionPolicy:
     """Gather/compute dtype and gradient-reduction dtype (the sharded fp32 master weights are never cast)."""
-    d = cfg.distributed
-    name = d.fsdp_param_dtype
+    p = cfg.parallelism
+    name = p.param_dtype
     if name == "auto":
         name = cfg.precision.mode if cfg.precision.mode in ("bf16", "fp16") else "fp32"
     param_dtype = DTYPES[name]
     return MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
-                                reduce_dtype=DTYPES[d.fsdp_reduce_dtype])
+                                reduce_dtype=DTYPES[p.reduce_dtype])
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,11 +98,11 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainerConfig, dist: DistInfo) -> nn.Module:
-    """Shard `model` in place with FSDP2 over all ranks, or HSDP with `distributed.dp_shard` (see the module
+    """Shard `model` in place with FSDP2 over all ranks, or HSDP with `parallelism.dp_shard` (see the module
     docstring); returns it.
 
     Call before building the optimizer: `fully_shard` replaces the parameters with sharded ones."""
-    d = cfg.distributed
+    reshard = cfg.parallelism.reshard_after_forward
     dims = ParallelDims.from_config(cfg, dist.world_size)
     if dims.dp_replicate > 1:  # HSDP: shard within groups of consecutive ranks (a node), replicate across them
         mesh = init_device_mesh(dist.device.type, (dims.dp_replicate, dims.dp_shard),
@@ -113,8 +114,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainerConfig, dist: DistInfo) -> nn.Modul
     for i, layer in enumerate(layers):
         # backward starts with the last layer: freeing its weights after forward would only gather them again
         fully_shard(layer, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=d.reshard_after_forward and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=d.reshard_after_forward)
+                    reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     # FSDP2 warns once that the root returned a view (an in-place op on it would skip the backward hook): our
     # losses read the outputs out of place, so the warning would only alarm users.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -21,15 +21,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import torch
-from torch import nn
-
-from bertrain.config import load_file, to_dict
+from bertrain.config import flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig
 from bertrain.train.dcp import load_model_and_optimizer
-from bertrain.train.distributed import DistInfo, broadcast_object
-from bertrain.train.precision import Precision
+from bertrain.train.distributed import DistInfo, on_rank0
+from bertrain.train.states import Stateful, load_entries
 from bertrain.utils.errors import UserError
 from bertrain.utils.rundir import OutputLock, claim_run_folder
 
@@ -40,7 +37,7 @@ EXACT_KEYS = ("train.log_interval", "train.trim_padding", "checkpoint.", "data.n
               "distributed.device", "distributed.timeout_s", "distributed.bucket_cap_mb", "distributed.heartbeat",
               "distributed.stop_grace_s", "model_options.", "output_dir", "do_eval", "eval_batch_size",
               # ddp <-> fsdp: the same run (allclose, not bitwise: reduction order); resharding is bitwise
-              "distributed.strategy", "distributed.reshard_after_forward", "distributed.dp_shard",
+              "parallelism.strategy", "parallelism.reshard_after_forward", "parallelism.dp_shard",
               "data.predict_test", "data.cache_dir", "data.n_best_size", "data.max_answer_length",
               "data.null_score_diff_threshold", "data.dev_file", "data.dev_articles")
 
@@ -94,15 +91,12 @@ def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | Non
                overwrite: bool) -> Iterator[None]:
     """Hold the output folder for this run (see the module docstring)."""
     with contextlib.ExitStack() as held:  # releases the lock on every way out
-        error: BaseException | None = None
-        if dist.is_main:
-            try:
-                held.enter_context(OutputLock(output_dir, command))
-                claim_run_folder(output_dir, command, resume, overwrite)
-            except BaseException as e:  # the other ranks must hear about it before anyone raises
-                error = e
-        if not broadcast_object(error is None):
-            raise error or UserError(f"rank 0 could not use the output folder {output_dir} (see its message)")
+
+        def claim() -> None:
+            held.enter_context(OutputLock(output_dir, command))
+            claim_run_folder(output_dir, command, resume, overwrite)
+
+        on_rank0(f"use the output folder {output_dir}", claim)
         yield
 
 
@@ -110,42 +104,31 @@ def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo)
     """Rank 0 decides which checkpoint to resume from (verifying it) and tells the others."""
     if not resume:
         return None
-    choice: str | None = None
-    problem = None
-    if dist.is_main:
-        if resume == "auto":
-            found = ckpt.latest_checkpoint(output_dir)
-            if found is None:
-                bad = [(p, ckpt.verify_checkpoint(p)) for _, p in ckpt.list_checkpoints(output_dir)]
-                if bad:
-                    problem = (f"none of the {len(bad)} checkpoints in {output_dir} is usable ("
-                               + "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
-                               + "): remove the broken ones, or start over with --overwrite")
-                else:
-                    log.info("--resume auto: no checkpoint in %s yet, starting from scratch", output_dir)
-            choice = str(found) if found else None
-        else:
+
+    def choose() -> str | None:
+        if resume != "auto":
             problem = ckpt.verify_checkpoint(resume)
-            choice = resume
-    # every rank learns the decision (or the error), so none waits forever for a rank that gave up
-    choice, problem = broadcast_object((choice, problem))
-    if problem:
-        raise UserError(f"--resume {resume}: {problem}")
+            if problem:
+                raise UserError(f"--resume {resume}: {problem}")
+            return resume
+        found = ckpt.latest_checkpoint(output_dir)
+        if found is not None:
+            return str(found)
+        bad = [(p, ckpt.verify_checkpoint(p)) for _, p in ckpt.list_checkpoints(output_dir)]
+        if bad:
+            raise UserError(f"--resume {resume}: none of the {len(bad)} checkpoints in {output_dir} is usable ("
+                            + "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
+                            + "): remove the broken ones, or start over with --overwrite")
+        log.info("--resume auto: no checkpoint in %s yet, starting from scratch", output_dir)
+        return None
+
+    choice = on_rank0("choose the checkpoint to resume from", choose)
     return Path(choice) if choice else None
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-    return out
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(taken, run-changing): every differing dotted key -> (old, new); absent keys are `None`."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     taken, changing = {}, {}
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key), b.get(key)
@@ -162,7 +145,7 @@ def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str
     saved = path / "config.yaml"
     if not saved.is_file():
         return {}
-    taken, changing = config_changes(load_file(saved), to_dict(cfg))
+    taken, changing = config_changes(upgrade_keys(load_file(saved), warn=False), to_dict(cfg))  # keys since moved
     for key, (a, b) in taken.items():
         log.info("resuming with %s = %r (was %r)", key, b, a)
     if changing and not allow_change:
@@ -173,17 +156,16 @@ def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str
     return changing
 
 
-def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision,
-            loader: Any, dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan,
-            allow_change: bool = False) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """Load everything a checkpoint holds; returns (its `state` dict, the allowed run-changing differences).
-
-    RNG states are per rank when the world size is unchanged."""
+def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan,
+            allow_change: bool = False) -> dict[str, tuple]:
+    """Load a checkpoint into the run's registry of states (`train/states.py`: every entry it holds); returns the
+    allowed run-changing config differences. Collective: every rank calls it."""
     ts = ckpt.load_train_state(path)
     if ts.get("version") != 2 or "loader" not in ts:
         raise UserError(f"--resume: {path} was written by an older bertrain (train_state version "
                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
     changes = check_config(path, cfg, allow_change)
+    model, optimizer, scheduler = states["model"], states["optimizer"], states["scheduler"]
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if "optim.name" in changes:
         log.warning("optimizer changed (%s -> %s): its moments start fresh", *changes["optim.name"])
@@ -192,8 +174,8 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     except (RuntimeError, ValueError) as e:
         raise UserError(f"--resume {path}: the checkpoint's model does not fit this config's model ({e}); a "
                         "different architecture cannot continue a run: start a new run with model.init") from None
-    precision.load_state_dict(ts["precision"])
-    loader.load_state_dict(ts["loader"])
+    # with a changed config the schedule is recomputed below instead of loaded
+    load_entries(states, ts, skip=("scheduler",) if changes else ())
     if changes:
         # the new hyperparameters, and the schedule recomputed for the new length at the step reached
         for group, fresh in zip(optimizer.param_groups, fresh_groups):
@@ -205,26 +187,9 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
             scheduler.step()
         log.warning("resuming with a changed config (--allow-config-change): %s",
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-    else:
-        scheduler.load_state_dict(ts["scheduler"])
-    threads = ts.get("threads")
-    if threads and threads != torch.get_num_threads() and dist.device.type == "cpu":
-        if os.environ.get("OMP_NUM_THREADS"):
-            log.warning("the checkpoint was written with %d threads, this run uses %d (OMP_NUM_THREADS): CPU "
-                        "results may differ from a straight run in the last bits", threads, torch.get_num_threads())
-        else:  # the count chosen from the load may differ from the first run's: keep the run's numerics exact
-            log.info("using %d threads, as the run this checkpoint belongs to", threads)
-            torch.set_num_threads(threads)
-    if ts["world_size"] == dist.world_size:
-        ckpt.set_rng_state(ts["rng"][dist.rank])
-    else:
-        log.warning("resuming on %d ranks from a %d-rank checkpoint (the data order and dropout follow the "
-                    "global batch, not the ranks: the same samples and masks, summed in a different order)",
-                    dist.world_size, ts["world_size"])
-        ckpt.seed_rank_rng(cfg.seed, dist.rank, int(ts["state"]["step"]))
     if ts["batch"]["global_batch_size"] != plan.global_batch_size:
         log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
                     "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
     log.info("resumed from %s at step %d (epoch %d, %d samples)", path, ts["state"]["step"], ts["state"]["epoch"],
              ts["state"]["samples"])
-    return ts["state"], changes
+    return changes

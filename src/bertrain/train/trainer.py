@@ -22,7 +22,7 @@ The parts that are easy to get wrong:
 * **Resume.** Rank 0 chooses the checkpoint (newest complete and verified one for "auto") and broadcasts the
   choice; every rank restores weights, optimizer, scheduler, loss scaler, loader position and its own RNG state,
   so a resumed run is bitwise the straight one.
-* **Strategy.** `distributed.strategy` ddp wraps the model in DDP; fsdp shards it in place with FSDP2
+* **Strategy.** `parallelism.strategy` ddp wraps the model in DDP; fsdp shards it in place with FSDP2
   (`train/parallel.py`) before the optimizer is built, so the optimizer holds only this rank's shards. The step
   is the same code: `no_sync` skips the reduce-scatter instead of the all-reduce, FSDP2 also averages over
   ranks, norms of sharded tensors are reduced over the ranks. Checkpoints are then written by every rank
@@ -50,7 +50,7 @@ from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
 from bertrain.train.dcp import save_sharded_checkpoint
 from bertrain.train.distributed import (
-    DistInfo, all_reduce_sum, broadcast_object, gather_objects, grads_are_synced, no_sync, unwrap_model, wrap_model,
+    DistInfo, all_reduce_sum, gather_objects, grads_are_synced, no_sync, on_rank0, wrap_model,
 )
 from bertrain.train.metrics import MetricsLogger
 from bertrain.train.optim import build_optimizer
@@ -58,6 +58,7 @@ from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model,
 from bertrain.train.precision import Precision
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
+from bertrain.train.states import Stateful, TrainState, saved_entries, training_states
 from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
 
@@ -97,17 +98,6 @@ class Task(Protocol):
 
     def metrics(self, sums: dict[str, float]) -> dict[str, Any]:
         """Derived numbers for a log record from the summed outputs of `forward` over an interval."""
-
-
-@dataclass
-class TrainState:
-    """Progress counters saved in every checkpoint."""
-    step: int = 0
-    """Optimizer steps done (including fp16-skipped ones: their data was consumed)."""
-    epoch: int = 0
-    samples: int = 0
-    """Global samples consumed by completed steps."""
-    skipped_steps: int = 0
 
 
 @dataclass
@@ -153,11 +143,10 @@ class Trainer:
         precision = Precision(cfg.precision, dist.device)
         ckpt.seed_rank_rng(cfg.seed, dist.rank, 0)  # dropout differs per rank, reproducibly
         state, changes = TrainState(), {}
+        states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist)
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
-            saved, changes = restore(start, model, optimizer, scheduler, precision, loader, dist, cfg, plan,
-                                     allow_config_change)
-            state = TrainState(**saved)
+            changes = restore(start, states, dist, cfg, plan, allow_config_change)
         else:
             loader.set_epoch(0)
         ddp_model = model if dims.fsdp_enabled else wrap_model(model, dist, cfg.distributed)
@@ -167,7 +156,7 @@ class Trainer:
                      task.name, total_steps, plan.global_batch_size, plan.micro_batch_size, plan.accumulation,
                      plan.world_size, lr, cfg.optim.name, cfg.precision.mode)
         start_step = state.step
-        run = _Run(self, task, ddp_model, loader, optimizer, scheduler, precision, state, total_steps, plan)
+        run = _Run(self, task, ddp_model, states, total_steps, plan)
         t0 = time.perf_counter()
         with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, self.out) as watchdog, \
                 MetricsLogger(self.out, dist.is_main, resume_step=state.step if start else None) as ml, \
@@ -188,13 +177,13 @@ class Trainer:
 class _Run:
     """The state of one `fit`: the step loop and the checkpoint writer."""
 
-    def __init__(self, trainer: Trainer, task: Task, model: nn.Module, loader: Loader,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, precision: Precision, state: TrainState,
+    def __init__(self, trainer: Trainer, task: Task, model: nn.Module, states: dict[str, Stateful],
                  total_steps: int, plan: BatchPlan) -> None:
         self.cfg, self.dist, self.out = trainer.cfg, trainer.dist, trainer.out
-        self.task, self.model, self.loader = task, model, loader
-        self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
-        self.state, self.total_steps, self.plan = state, total_steps, plan
+        self.task, self.model, self.states = task, model, states  # `model`: wrapped (DDP) for the steps
+        self.loader, self.optimizer = states["loader"], states["optimizer"]
+        self.scheduler, self.precision, self.state = states["scheduler"], states["precision"], states["state"]
+        self.total_steps, self.plan = total_steps, plan
 
     def steps(self, stop: StopSignal, metrics_log: MetricsLogger,
               watchdog: Watchdog) -> tuple[bool, dict[str, Any]]:
@@ -261,7 +250,7 @@ class _Run:
         """
         groups = self.task.loss_groups
         world = self.dist.world_size
-        keep_gathered = not self.cfg.distributed.reshard_after_forward  # fsdp: gather once per optimizer step
+        keep_gathered = not self.cfg.parallelism.reshard_after_forward  # fsdp: gather once per optimizer step
         shares = torch.zeros(len(groups), device=self.dist.device)
         for i, mb in enumerate(micro_batches):
             ckpt.seed_micro_batch(self.cfg.seed, self.state.step, i * world + self.dist.rank)
@@ -275,39 +264,36 @@ class _Run:
         return shares
 
     def save(self) -> None:
-        """Every rank contributes its RNG state; rank 0 writes the folder (under fsdp every rank writes its shards);
-        all learn whether it worked."""
-        rngs = gather_objects(ckpt.rng_state())
-        sharded = is_sharded(self.model)
-        error: Exception | None = None
-        if self.dist.is_main or sharded:
-            train_state = {
-                "version": 2, "task": self.task.name, "state": asdict(self.state),
-                "scheduler": self.scheduler.state_dict(),
-                "precision": self.precision.state_dict(), "rng": rngs, "loader": self.loader.state_dict(),
-                "world_size": self.dist.world_size, "batch": asdict(self.plan),
-                "threads": torch.get_num_threads(),  # CPU results depend on it: a resume reuses it
-            }
-            complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
-            last = complete[-1] if complete else None
-            kept = f"{last} (the last complete checkpoint) is intact" if last else "no checkpoint was written before"
+        """Write checkpoint step-N from the registry of states (`train/states.py`): every rank contributes (its
+        RNG state); rank 0 writes the folder, or under fsdp every rank writes its shards; all learn whether it
+        worked."""
+        step = self.state.step
+        train_state = {"version": 2, "task": self.task.name, "world_size": self.dist.world_size,
+                       "batch": asdict(self.plan), **saved_entries(self.states)}
+        complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
+        kept = f"{complete[-1]} (the last complete checkpoint) is intact" if complete else \
+            "no checkpoint was written before"
+        doing = f"writing checkpoint step-{step} in {self.out}"
+        model, optimizer = self.states["model"], self.states["optimizer"]
+        if is_sharded(model):  # weights and optimizer state: each rank its shards (train/dcp.py)
+            error: Exception | None = None
             try:
-                with writing(f"writing checkpoint step-{self.state.step} in {self.out}", kept=kept):
-                    if sharded:  # weights and optimizer state: each rank its shards (train/dcp.py)
-                        save_sharded_checkpoint(self.out, self.state.step, self.model, self.optimizer, train_state,
-                                                self.cfg, self.cfg.checkpoint.keep_last, self.dist)
-                    else:
-                        ckpt.save_checkpoint(self.out, self.state.step, unwrap_model(self.model),
-                                             {**train_state, "optimizer": self.optimizer.state_dict()},
-                                             self.cfg, self.cfg.checkpoint.keep_last)
+                with writing(doing, kept=kept):
+                    save_sharded_checkpoint(self.out, step, model, optimizer, train_state, self.cfg,
+                                            self.cfg.checkpoint.keep_last, self.dist)
             except OutputError as e:
                 error = e
-        # instead of a barrier: a failed save stops every rank
-        if sharded and not all(gather_objects(error is None)):
-            raise error or UserError(f"a rank could not write its part of checkpoint step-{self.state.step} "
-                                     "(see its log)")
-        if not sharded and not broadcast_object(error is None):
-            raise error or UserError(f"rank 0 could not write checkpoint step-{self.state.step} (see its log)")
+            # instead of a barrier: a failed save stops every rank
+            if not all(gather_objects(error is None)):
+                raise error or UserError(f"a rank could not write its part of checkpoint step-{step} (see its log)")
+            return
+
+        def write() -> None:
+            with writing(doing, kept=kept):
+                ckpt.save_checkpoint(self.out, step, model, {**train_state, "optimizer": optimizer.state_dict()},
+                                     self.cfg, self.cfg.checkpoint.keep_last)
+
+        on_rank0(f"write checkpoint step-{step}", write)
 
 
 # ----------------------------------------------------------------------------------------------- step pieces
