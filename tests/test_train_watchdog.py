@@ -153,46 +153,16 @@ def test_messages() -> None:
     assert RankLost("x").exit_code == EXIT_FAILED
 
 
-def test_heartbeat_and_grace_settings_that_cannot_work_are_refused_naming_the_key() -> None:
-    # a healthy rank would be reported silent between two of its heartbeats
-    with pytest.raises(ValueError, match="'distributed.heartbeat_timeout_s' \\(6\\) must be at least twice "
-                                         "distributed.heartbeat_interval_s \\(5\\)"):
+def test_config_defaults_and_checks() -> None:
+    cfg = DistributedConfig()
+    assert cfg.timeout_s == 300 and cfg.heartbeat_timeout_s < cfg.timeout_s and cfg.stop_grace_s > 0
+    with pytest.raises(ValueError, match="heartbeat_timeout_s.*twice distributed.heartbeat_interval_s"):
         DistributedConfig(heartbeat_interval_s=5, heartbeat_timeout_s=6)
-    # the collective would fail before the heartbeat names the silent rank (the default heartbeat timeout too)
-    with pytest.raises(ValueError, match="'distributed.heartbeat_timeout_s' \\(60\\) must not exceed "
-                                         "distributed.timeout_s \\(30\\)"):
+    with pytest.raises(ValueError, match="must not exceed distributed.timeout_s"):
         DistributedConfig(timeout_s=30)
-    with pytest.raises(ValueError, match="'distributed.stop_grace_s' must be > 0"):
+    with pytest.raises(ValueError, match="stop_grace_s"):
         DistributedConfig(stop_grace_s=0)
     assert DistributedConfig(timeout_s=30, heartbeat_timeout_s=0).heartbeat_timeout_s == 0  # heartbeat off
-
-
-def _timeout_worker(rank: int, world_size: int, out: str) -> None:
-    import torch.distributed as torch_dist
-    from bertrain.train.distributed import distributed_context, heartbeat_store
-    cfg = DistributedConfig(backend="gloo", device="cpu", timeout_s=2, heartbeat_timeout_s=0)
-    with distributed_context(cfg):
-        seen = {"store_timeout_s": heartbeat_store(cfg.timeout_s).timeout.total_seconds()}
-        if rank == 0:
-            time.sleep(6)  # rank 1 waits for it in the all-reduce
-        t0 = time.monotonic()
-        try:
-            torch_dist.all_reduce(torch.ones(1))
-            seen["error"] = None
-        except Exception as e:
-            seen["error"] = collective_error(e) or repr(e)
-        seen["waited_s"] = time.monotonic() - t0
-        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-
-
-@pytest.mark.slow
-def test_a_collective_fails_after_the_configured_timeout(tmp_path: Path) -> None:
-    """distributed.timeout_s is the process group's own timeout (torch's default would wait 1800 s) and the
-    heartbeat's store connection's."""
-    spawn(_timeout_worker, 2, str(tmp_path))
-    waiting = json.loads((tmp_path / "rank1.json").read_text())
-    assert waiting["error"] == "timed out" and 1.5 < waiting["waited_s"] < 5.5, waiting
-    assert waiting["store_timeout_s"] == 2
 
 
 # ----------------------------------------------------------------------------------------------- the signal thread

@@ -86,7 +86,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     """A 2x2 PNG: loss, MLM/NSP accuracy, throughput (seq/s) and learning rate against the step."""
-    # matplotlib is imported here, at the end of a run, because it takes ~0.5 s to import and nothing else needs it
+    # matplotlib is imported here, at the end of a run: nothing else needs it, so no other command pays its import
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
