@@ -244,23 +244,26 @@ def test_killed_prepare_resumes_to_the_same_split_and_bytes(shakespeare, tmp_pat
 
 # ----------------------------------------------------------------------------------------------- 4. evaluation set
 
-def test_eval_set_same_rows_whatever_world_size(shakespeare):
+def test_eval_set_same_micro_batches_whatever_world_size(shakespeare):
     ev = HeldoutEvalSet(shakespeare, SAMPLE)
-    whole = next(ev.batches(len(ev)))
+    (index, whole), = list(ev.batches(len(ev)))
+    assert index == 0
     train = PretrainingDataset(shakespeare, SAMPLE).get_batch(0, np.arange(3))
     def layout(batch):
         return {k: (v.dtype, v.shape[1:]) for k, v in batch.items()}
     assert layout(whole) == layout(train)  # the training loader's batch dict
     assert len(ev) > 50 and (whole["masked_labels"] != -100).sum(1).min() >= 1
+    alone = dict(ev.batches(8))
     for world in (1, 2, 3, 7):
         per_rank = [list(ev.batches(8, r, world)) for r in range(world)]
         assert len({len(b) for b in per_rank}) == 1  # every rank runs as many micro-batches
-        rows = {k: torch.cat([b[k] for bs in per_rank for b in bs]) for k in whole}
-        real = (rows["masked_labels"] != -100).any(1)  # padding rows have no target at all
-        assert (rows["next_sentence_labels"][~real] == -100).all()
-        assert all(torch.equal(rows[k][real], whole[k]) for k in whole)
-        assert [ev.rank_slice(r, world) for r in range(world)][-1][1] == len(ev)
-        assert sum(hi - lo for lo, hi in (ev.rank_slice(r, world) for r in range(world))) == len(ev)
+        real = {k: b for bs in per_rank for k, b in bs if k >= 0}
+        assert sorted(real) == list(range(ev.num_batches(8)))  # each micro-batch once, the same ones as alone
+        assert all(torch.equal(real[k][n], alone[k][n]) for k in real for n in whole)
+        for k, b in (kb for bs in per_rank for kb in bs if kb[0] < 0):  # fillers add no target
+            assert (b["masked_labels"] == -100).all() and (b["next_sentence_labels"] == -100).all()
+        rows = {n: torch.cat([real[k][n] for k in sorted(real)]) for n in whole}
+        assert all(torch.equal(rows[n], whole[n]) for n in whole)
 
 
 def test_eval_set_independent_of_training_seed_and_fixed_by_eval_seed(shakespeare, tmp_path):

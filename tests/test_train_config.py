@@ -282,3 +282,14 @@ def test_slurm_nodelist_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert first_slurm_host("node[001-004]") == "node001"
     assert first_slurm_host("a12,b3") == "a12"
     assert first_slurm_host("single") == "single"
+
+
+def test_a_section_given_in_part_keeps_the_commands_own_defaults_for_the_rest() -> None:
+    from bertrain.tasks.finetune import GlueFinetuneConfig
+
+    base = {"init": "m", "output_dir": "o", "data": {"task": "rte", "data_dir": "d"}}
+    cfg = load_config(GlueFinetuneConfig, base=base, overrides={"optim.weight_decay": "0", "eval.interval": "3"})
+    # fine-tuning's lr 3e-5 and dev-selection defaults, not OptimConfig's 1e-4 and EvalConfig's final: last
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (3e-5, 0.0)
+    assert (cfg.eval.interval, cfg.eval.final, cfg.eval.each_epoch) == (3, "best", True)
+    assert (cfg.checkpoint.save_interval, cfg.train.epochs) == (0, 2.0)

@@ -314,13 +314,28 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "", from_string:
     if unknown:
         known = config_keys(cls, prefix)
         raise UnknownKeyError("; ".join(unknown_key_message(_join(prefix, k), known) for k in unknown))
-    kwargs = {k: _coerce(hints[k], v, _join(prefix, k), from_string) for k, v in data.items()}
+    kwargs = {k: _coerce(hints[k], _with_section_defaults(fields[k], v), _join(prefix, k), from_string)
+              for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ValueError as e:
         if not prefix or "config key" in str(e):  # the message names its key already
             raise
         raise ValueError(f"{prefix}: {e}") from None
+
+
+def _with_section_defaults(f: dataclasses.Field, value: Any) -> Any:
+    """A section given in part takes its other keys from the field's `default_factory`, not from the section
+    class: `eval: {interval: 3}` in a fine-tuning config keeps fine-tuning's eval defaults (final: best), and
+    `--optim.weight_decay 0` keeps its lr 3e-5 (OptimConfig's own default is 1e-4)."""
+    factory = f.default_factory  # type: ignore[misc]
+    if not isinstance(value, dict) or factory is dataclasses.MISSING or isinstance(factory, type):
+        return value
+    try:
+        default = factory()
+    except ValueError:  # a factory that validates an incomplete config: no defaults to take
+        return value
+    return deep_merge(to_dict(default), value) if dataclasses.is_dataclass(default) else value
 
 
 def _join(prefix: str, key: str) -> str:
@@ -400,11 +415,11 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
     An error names where each key it mentions was set: on the command line, in the file, or nowhere (default).
     """
     base = upgrade_keys(base or {}, "in the base config")
-    data: dict[str, Any] = _deep_merge({}, base)
+    data: dict[str, Any] = deep_merge({}, base)
     file_data: dict[str, Any] = {}
     if path is not None:
         file_data = upgrade_keys(load_file(path), f"in {path}")
-        data = _deep_merge(data, file_data)
+        data = deep_merge(data, file_data)
     overrides = upgrade_override_keys(overrides or {})
     sources = _Sources(path, file_data, overrides, base)
     if overrides:
@@ -489,11 +504,12 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """`a` updated by `b`, section by section (b wins; `a` is not modified, leaves are shared, not copied)."""
     out = dict(a)
     for k, v in b.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out

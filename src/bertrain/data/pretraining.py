@@ -164,10 +164,11 @@ class HeldoutEvalSet:
     them when None or fewer). A folder without a held-out set is a `ValueError` saying why (check first with
     `store.heldout_status(data_dir)`, which a trainer turns into a warning).
 
-    `batches(b, rank, world_size)`: rank r of W evaluates the contiguous slice `rank_slice(r, W)` (the slices in
-    rank order are the whole set), padded to `ceil(len / W)` rows with copies whose labels are all -100, so every
-    rank runs the same number of micro-batches (FSDP needs it) and the padding adds nothing to any loss sum or
-    target count: summed over ranks, the sums are those of world size 1.
+    `batches(b, rank, world_size)`: the set is cut into micro-batches of `b` rows, the same ones whatever the world
+    size (so each micro-batch's sums are the same bits on 1 rank or on 8); rank r of W takes micro-batches r, r + W,
+    r + 2W, ... and yields `(index, batch)`; a rank with one micro-batch fewer than the others runs a filler batch
+    (index -1, every label -100) so every rank runs the same number of forward passes (FSDP needs it). Summing
+    every micro-batch's sums in index order gives the same number at every world size.
     """
 
     def __init__(self, data_dir: str | os.PathLike, sample: SampleConfig = SampleConfig(),
@@ -191,24 +192,26 @@ class HeldoutEvalSet:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def rank_slice(self, rank: int, world_size: int) -> tuple[int, int]:
-        """[lo, hi): the samples that rank `rank` of `world_size` evaluates (contiguous; ranks in order = all)."""
+    def rank_batches(self, micro_batch_size: int, rank: int, world_size: int) -> list[int]:
+        """Indices of the micro-batches rank `rank` of `world_size` evaluates (see the class docstring)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        per_rank = math.ceil(len(self) / world_size)
-        return min(rank * per_rank, len(self)), min((rank + 1) * per_rank, len(self))
+        return list(range(rank, self.num_batches(micro_batch_size), world_size))
 
-    def batches(self, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
-        """Rank `rank`'s micro-batches: its slice, padded (see the class docstring); the same number on every rank."""
-        lo, hi = self.rank_slice(rank, world_size)
-        rows = self.rows[lo:hi]
-        pad = math.ceil(len(self) / world_size) - len(rows)
-        if pad:
-            filler = np.repeat(self.rows[:1], pad, axis=0)
+    def num_batches(self, micro_batch_size: int) -> int:
+        return math.ceil(len(self) / micro_batch_size)
+
+    def batches(self, micro_batch_size: int, rank: int = 0,
+                world_size: int = 1) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Rank `rank`'s `(index, micro-batch)` pairs, then fillers (index -1): as many on every rank."""
+        b = micro_batch_size
+        mine = self.rank_batches(b, rank, world_size)
+        for k in mine:
+            yield k, rows_to_batch(self.rows[k * b: (k + 1) * b], self.sample)
+        for _ in range(math.ceil(self.num_batches(b) / world_size) - len(mine)):
+            filler = self.rows[:1].copy()
             filler[:, 2], filler[:, 3] = NSP_NONE, 0  # no NSP label, no masked prediction: labels -100
-            rows = np.concatenate([rows, filler])
-        for i in range(0, len(rows), micro_batch_size):
-            yield rows_to_batch(rows[i: i + micro_batch_size], self.sample)
+            yield -1, rows_to_batch(filler, self.sample)
 
     def check_tokenizer(self, vocab_file: str | os.PathLike, do_lower_case: bool) -> None:
         """Raise `ValueError` unless the held-out store was tokenized with `vocab_file` and this casing."""

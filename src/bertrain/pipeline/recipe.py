@@ -23,7 +23,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from bertrain.config import from_dict, load_config, load_file, set_dotted, to_dict, upgrade_keys
+from bertrain.config import (deep_merge, flatten, from_dict, load_config, load_file, set_dotted, to_dict,
+                            upgrade_keys)
 from bertrain.data.prepare import PrepareConfig
 from bertrain.data.readers import CorpusConfig
 from bertrain.pipeline.downstream import TASK_NAME
@@ -141,24 +142,12 @@ PIPELINE_FINETUNE_KEYS = ("init", "output_dir", "seed")
 PIPELINE_PREPARE_KEYS = ("inputs", "output", "vocab_file", "do_lower_case", "corpus", "overwrite")
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
+    return copy.deepcopy(deep_merge(a, b))  # recipe sections are reused by several stages: never share leaves
 
 
 def _refuse_pipeline_keys(data: dict[str, Any], keys: tuple[str, ...], section: str, why: str) -> None:
-    for key in _flat(data):
+    for key in flatten(data):
         for k in keys:
             if key == k or key.startswith(k + "."):
                 raise UserError(f"recipe key '{section}.{key}' is set by bertrain run ({why}); remove it")
@@ -185,7 +174,7 @@ def _recipe_message(message: str, sections: list[tuple[str, dict[str, Any]]]) ->
     def blame(m: re.Match) -> str:
         key = m.group(2)
         for name, section in reversed(sections):
-            flat = _flat(section)
+            flat = flatten(section)
             if key in flat or any(k.startswith(key + ".") for k in flat):
                 return f"recipe key '{name}.{key}'"
         return f"{m.group(1)} '{key}' (not set in the recipe: the default)"

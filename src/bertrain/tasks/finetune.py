@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -27,16 +27,17 @@ from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.evaluate import distributed_forward
 from bertrain.tasks.glue import (build_features as glue_features, get_task, read_split, write_dev_predictions,
                                  write_submission)
-from bertrain.tasks.metrics import evaluate_squad, glue_compute_metrics
+from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics
 from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, apply_null_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
                                   write_prediction_files)
 from bertrain.train import checkpoint as ckpt
-from bertrain.train.config import (BatchPlan, CheckpointConfig, OptimConfig, ScheduleConfig, TrainConfig,
+from bertrain.train.config import (BatchPlan, CheckpointConfig, EvalConfig, OptimConfig, ScheduleConfig, TrainConfig,
                                    TrainerConfig)
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
+from bertrain.train.evaluation import OnEval
 from bertrain.train.trainer import RunResult, Trainer
 from bertrain.utils.errors import RunStopped
 from bertrain.utils.io import atomic_write_json
@@ -63,6 +64,11 @@ def _checkpoint_default() -> CheckpointConfig:
     return CheckpointConfig(save_interval=0, keep_last=1, export_final=True)
 
 
+def _eval_default() -> EvalConfig:
+    # as HF Trainer's eval_strategy="epoch" + load_best_model_at_end: a dev evaluation each epoch, end on the best
+    return EvalConfig(each_epoch=True, final="best")
+
+
 @dataclass
 class FinetuneConfig(TrainerConfig):
     """The engine's sections with fine-tuning defaults, plus the model to start from and evaluation."""
@@ -83,6 +89,9 @@ class FinetuneConfig(TrainerConfig):
     """Learning-rate schedule."""
     checkpoint: CheckpointConfig = field(default_factory=_checkpoint_default)
     """Checkpoint folders (save_interval 0: one at the end, for --resume and inspection) and the final export."""
+    eval: EvalConfig = field(default_factory=_eval_default)
+    """Dev evaluation while training (each epoch by default), the selection metric, the best model (the final one
+    by default), early stopping."""
     seed: int = 42
     """Seed of the head initialisation, data order and dropout."""
 
@@ -184,16 +193,27 @@ def load_model(kind: str, path: str | Path, num_labels: int = 2) -> nn.Module:
     return BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
 
 
+DevEval = Callable[[nn.Module, DistInfo, Precision], dict[str, float]]
+
+
 class FeatureTask:
-    """Fine-tuning on in-memory features: span extraction ("qa") or sequence classification/regression."""
+    """Fine-tuning on in-memory features: span extraction ("qa") or sequence classification/regression. `dev`
+    scores a model on the dev set (the Trainer's evaluation while training); None: no dev evaluation."""
 
     loss_groups = ("task",)
 
     def __init__(self, name: str, kind: str, init: str, feats: dict[str, np.ndarray], seed: int,
-                 num_labels: int = 2, labels: tuple[str, ...] | None = None) -> None:
+                 num_labels: int = 2, labels: tuple[str, ...] | None = None, dev: DevEval | None = None) -> None:
         self.name, self.kind, self.init, self.seed, self.num_labels = name, kind, init, seed, num_labels
         self.labels = labels
         self.arrays = {k: feats[k] for k in (QA_KEYS if kind == "qa" else CLS_KEYS)}
+        self.dev = dev
+        self.can_evaluate = dev is not None
+        self.primary_metric = PRIMARY_METRIC.get(name, "accuracy")
+
+    def evaluate(self, model: nn.Module, dist: DistInfo, precision: Precision) -> dict[str, float]:
+        assert self.dev is not None
+        return self.dev(model, dist, precision)
 
     def build_loader(self, dist: DistInfo, plan: BatchPlan) -> ArrayLoader:
         return ArrayLoader(self.arrays, plan.micro_batch_size, dist.rank, dist.world_size, self.seed,
@@ -227,9 +247,12 @@ class FeatureTask:
 
 def _train_results(run: RunResult) -> dict[str, Any]:
     done = run.state.step - run.start_step
-    return {"train_steps": run.total_steps, "train_seconds": round(run.seconds, 1),
-            "train_examples_per_second": round(done * run.plan.global_batch_size / max(run.seconds, 1e-9), 2),
-            "final_loss": run.last_metrics.get("loss")}
+    out = {"train_steps": run.total_steps, "train_seconds": round(run.seconds, 1),
+           "train_examples_per_second": round(done * run.plan.global_batch_size / max(run.seconds, 1e-9), 2),
+           "final_loss": run.last_metrics.get("loss")}
+    if run.evaluation:  # the dev evaluations while training: what was selected, and on what
+        out["selection"] = {**run.evaluation, "steps_run": run.state.step}
+    return out
 
 
 def _stopped(out_dir: Path, run: RunResult) -> RunStopped:
@@ -284,7 +307,7 @@ def _subset_squad_file(path: str, spec: str, key: str, out_dir: Path, name: str)
 # ----------------------------------------------------------------------------------------------- SQuAD
 
 def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bool = False,
-              allow_config_change: bool = False) -> dict[str, Any]:
+              allow_config_change: bool = False, on_eval: OnEval | None = None) -> dict[str, Any]:
     """Fine-tune and/or evaluate on SQuAD; rank 0 writes predictions, nbest, null_odds and eval_results."""
     d = cfg.data
     fcfg = SquadFeatureConfig(d.max_seq_length, d.doc_stride, d.max_query_length)
@@ -308,11 +331,29 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                 build()
             return examples, built["feats"]
 
+        pcfg = SquadPostprocessConfig(d.n_best_size, d.max_answer_length, d.null_score_diff_threshold)
+        dev = None
+        if cfg.do_eval:
+            dev_path, dev_json = _subset_squad_file(d.dev_file, d.dev_articles, "data.dev_articles", out_dir, "dev")
+            dev_examples, dev_feats = features(dev_path, False)
+
+            def dev(model: nn.Module, dist: DistInfo, precision: Precision) -> dict[str, float]:
+                start, end = distributed_forward(model, dev_feats, lambda o: (o.start_logits, o.end_logits), dist,
+                                                 cfg.eval_batch_size, precision, trim=cfg.train.trim_padding)
+
+                def score() -> dict[str, float]:  # rank 0 scores, every rank learns the numbers
+                    preds, _, null_odds = postprocess_predictions(dev_examples, dev_feats, start, end, pcfg, v2)
+                    official = evaluate_squad(dev_json, preds, null_odds if v2 else None,
+                                              version="2.0" if v2 else "1.1")
+                    return {k: float(v) for k, v in official.items() if isinstance(v, (int, float))}
+
+                return on_rank0("score the dev set", score)
+
         if cfg.do_train:
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
             examples, feats = features(train_path, True)
-            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed), resume,
-                                         allow_config_change)
+            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed, dev=dev), resume,
+                                         allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
             model = run.model
@@ -321,8 +362,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
         else:
             model = _eval_model(cfg, "qa", 2, dist)
         if cfg.do_eval:
-            dev_path, dev_json = _subset_squad_file(d.dev_file, d.dev_articles, "data.dev_articles", out_dir, "dev")
-            examples, feats = features(dev_path, False)
+            examples, feats = dev_examples, dev_feats
             t0 = time.perf_counter()
             start, end = distributed_forward(model, feats, lambda o: (o.start_logits, o.end_logits), dist,
                                              cfg.eval_batch_size, Precision(cfg.precision, dist.device),
@@ -330,7 +370,6 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             eval_s = time.perf_counter() - t0
 
             def score() -> None:  # rank 0: post-processing, prediction files and the official metrics
-                pcfg = SquadPostprocessConfig(d.n_best_size, d.max_answer_length, d.null_score_diff_threshold)
                 preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg, v2)
                 write_prediction_files(out_dir, preds, nbest, null_odds if v2 else None)
                 official = evaluate_squad(dev_json, preds, null_odds if v2 else None,
@@ -364,8 +403,23 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
 
 # ----------------------------------------------------------------------------------------------- GLUE
 
+def _glue_predictions(model: nn.Module, feats: dict[str, np.ndarray], task: Any, cfg: GlueFinetuneConfig,
+                      dist: DistInfo, precision: Precision) -> np.ndarray:
+    (logits,) = distributed_forward(model, feats, lambda o: (o.logits,), dist, cfg.eval_batch_size, precision,
+                                    trim=cfg.train.trim_padding)
+    return logits[:, 0] if task.is_regression else logits.argmax(axis=1)
+
+
+def _glue_dev_metrics(feats: dict[str, np.ndarray], task: Any, cfg: GlueFinetuneConfig, model: nn.Module,
+                      dist: DistInfo, precision: Precision) -> dict[str, float]:
+    """The task's metrics on its (first) dev split: the evaluation while training (every rank gets all
+    predictions, so every rank computes the same numbers)."""
+    preds = _glue_predictions(model, feats, task, cfg, dist, precision)
+    return glue_compute_metrics(task.name, preds.tolist(), feats["labels"].tolist())
+
+
 def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool = False,
-             allow_config_change: bool = False) -> dict[str, Any]:
+             allow_config_change: bool = False, on_eval: OnEval | None = None) -> dict[str, Any]:
     """Fine-tune and/or evaluate on a GLUE task; rank 0 writes eval_results.json and the test submission."""
     d = cfg.data
     task = get_task(d.task)
@@ -381,8 +435,13 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 keep = np.sort(np.random.default_rng(cfg.seed).permutation(n_all)[: d.max_train_examples])
                 examples = [examples[i] for i in keep]
             feats = glue_features(examples, task, tok, d.max_seq_length)
+            dev = None
+            if cfg.do_eval:  # the first dev split (MNLI: matched) is the one selection looks at
+                (_, dev_examples), *_ = read_split(d.data_dir, task, "dev")
+                dev = functools.partial(_glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
+                                        task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
-                                                     task.labels), resume, allow_config_change)
+                                                     task.labels, dev), resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
             model = run.model
@@ -393,10 +452,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
 
         def predict(examples):
             feats = glue_features(examples, task, tok, d.max_seq_length)
-            (logits,) = distributed_forward(model, feats, lambda o: (o.logits,), dist, cfg.eval_batch_size,
-                                            Precision(cfg.precision, dist.device), trim=cfg.train.trim_padding)
-            preds = logits[:, 0] if task.is_regression else logits.argmax(axis=1)
-            return feats, preds
+            return feats, _glue_predictions(model, feats, task, cfg, dist, Precision(cfg.precision, dist.device))
 
         if cfg.do_eval:
             for split_name, examples in read_split(d.data_dir, task, "dev"):

@@ -22,9 +22,10 @@ from torch import nn
 
 from bertrain.data.build import ensure_prepared, ensure_vocab
 from bertrain.data.prepare import PrepareConfig
-from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
+from bertrain.data.pretraining import HeldoutEvalSet, PretrainingDataset, PretrainingLoader
 from bertrain.data.readers import CorpusConfig
 from bertrain.data.samples import SampleConfig
+from bertrain.data.store import heldout_status
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
@@ -32,10 +33,11 @@ from bertrain.model.hf import config_from_json_file, tokenizer_files_from_vocab
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
-from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
+from bertrain.train.distributed import DistInfo, all_reduce_sum, distributed_context, on_rank0
 from bertrain.train.metrics import plot_metrics
+from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
-from bertrain.train.trainer import RunResult, Trainer
+from bertrain.train.trainer import RunResult, Trainer, to_device, trim_padding
 from bertrain.utils.errors import UserError, writing
 
 log = logging.getLogger(__name__)
@@ -181,13 +183,54 @@ def resolve_data(cfg: PretrainConfig, dist: DistInfo) -> PretrainingData:
 
 
 class PretrainingTask:
-    """MLM + NSP on `BertForPreTraining`; the MLM loss runs only on the masked positions."""
+    """MLM + NSP on `BertForPreTraining`; the MLM loss runs only on the masked positions. Evaluated on the fixed
+    held-out set of the prepared folder (`HeldoutEvalSet`) when it has one."""
 
     name = "pretrain"
     loss_groups = ("mlm", "nsp")
+    primary_metric = "mlm_acc"
+    EVAL_SUMS = ("mlm_loss_sum", "mlm_count", "mlm_correct", "nsp_loss_sum", "nsp_count", "nsp_correct")
 
     def __init__(self, cfg: PretrainConfig, data: PretrainingData) -> None:
         self.cfg, self.data = cfg, data
+        self._heldout: HeldoutEvalSet | None = None
+        self.can_evaluate = False
+        if data.data_dir is not None:
+            status = heldout_status(data.data_dir)
+            self.can_evaluate = status.dir is not None
+            if not self.can_evaluate:
+                log.warning("no held-out evaluation: %s", status.reason)
+
+    def heldout(self) -> HeldoutEvalSet:
+        """The fixed evaluation set, built on first use (the same on every rank: a pure function of the store)."""
+        if self._heldout is None:
+            assert self.data.data_dir is not None and self.data.vocab_file is not None
+            self._heldout = HeldoutEvalSet(self.data.data_dir, self.cfg.sample, max_samples=self.cfg.eval.max_samples)
+            self._heldout.check_tokenizer(self.data.vocab_file, self.cfg.data.do_lower_case)
+            log.info("held-out evaluation: %d samples of %s", len(self._heldout), self._heldout.dir)
+        return self._heldout
+
+    def evaluate(self, model: nn.Module, dist: DistInfo, precision: Precision) -> dict[str, float]:
+        """Held-out MLM and NSP loss and accuracy. Every rank sums its micro-batches of the fixed set into its rows
+        of a (micro-batches x sums) table; the all-reduce adds zeros to every other row (exact), and the rows are
+        added in micro-batch order: the same bits at every world size."""
+        ev, b = self.heldout(), self.cfg.train.micro_batch_size
+        table = torch.zeros(ev.num_batches(b), len(self.EVAL_SUMS), dtype=torch.float64, device=dist.device)
+        for k, batch in ev.batches(b, dist.rank, dist.world_size):
+            batch = to_device(trim_padding(batch) if self.cfg.train.trim_padding else batch, dist.device)
+            with precision.autocast():
+                out = self.forward(model, batch)
+            if k >= 0:
+                table[k] = torch.stack([out[n].detach().double().reshape(()) for n in self.EVAL_SUMS])
+        if dist.world_size > 1:
+            table = all_reduce_sum(table)
+        s = dict(zip(self.EVAL_SUMS, table.sum(0).tolist()))
+        out = {}
+        for g in ("mlm", "nsp"):
+            if s[f"{g}_count"]:  # no NSP pairs without sample.next_sentence
+                out.update({f"{g}_loss": s[f"{g}_loss_sum"] / s[f"{g}_count"],
+                            f"{g}_acc": s[f"{g}_correct"] / s[f"{g}_count"]})
+        return out
 
     def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Any:
         """This rank's loader over synthetic samples or the prepared folder."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 from bertrain.model.options import ModelOptionsConfig
 
@@ -219,6 +219,39 @@ class CheckpointConfig:
         ])
 
 
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Evaluate every this many optimizer steps (0: not periodically); there is always an evaluation after the last
+    step. Pretraining evaluates on the prepared data's held-out documents, fine-tuning on the dev set."""
+    each_epoch: bool = False
+    """Also evaluate at the end of every epoch."""
+    max_samples: int = 2048
+    """Pretraining: held-out samples in the fixed evaluation set (spread over every held-out document)."""
+    metric: str = ""
+    """The selection metric (best checkpoint, early stopping, a search): '' = the task's primary metric (SQuAD f1,
+    MRPC/QQP f1, CoLA mcc, STS-B pearson, accuracy otherwise; pretraining mlm_acc). Names ending in 'loss' are
+    minimised, all others maximised."""
+    final: Literal["best", "last"] = "last"
+    """The model a run ends with (OUTPUT/final, the final dev evaluation): the best evaluated one (kept in
+    OUTPUT/best) or the last one."""
+    patience: int = 0
+    """Early stopping: stop after this many evaluations in a row without an improvement of at least min_delta
+    (0: never stop early)."""
+    min_delta: float = 0.0
+    """The smallest change of the selection metric that counts as an improvement."""
+    target: Optional[float] = None
+    """Stop once the selection metric reaches this value (e.g. 0.72 held-out MLM accuracy, MLPerf's BERT target)."""
+
+    def __post_init__(self) -> None:
+        check_all([
+            lambda: check_positive("eval.interval", self.interval, allow_zero=True),
+            lambda: check_positive("eval.max_samples", self.max_samples),
+            lambda: check_positive("eval.patience", self.patience, allow_zero=True),
+            lambda: check_positive("eval.min_delta", self.min_delta, allow_zero=True),
+        ])
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 @dataclass
@@ -306,6 +339,8 @@ class TrainerConfig:
     """How the ranks divide the model: ddp or fsdp (sharding, its dtypes, HSDP groups)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint folders."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation while training: when, the selection metric, the best model, early stopping."""
     model_options: ModelOptionsConfig = field(default_factory=ModelOptionsConfig)
     """How the model runs: unpadding, jagged attention, gradient checkpointing, compile (same results)."""
     seed: int = 12345

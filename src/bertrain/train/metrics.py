@@ -55,9 +55,11 @@ class MetricsLogger:
         self._file.flush()
         if self._tb is not None:
             step = int(record.get("step", 0))
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self._tb.add_scalar(f"train/{k}", v, step)
+            # an evaluation record (train/evaluation.py) carries its numbers under "metrics": eval/NAME in TensorBoard
+            section, values = ("eval", record["metrics"]) if record.get("event") == "eval" else ("train", record)
+            for k, v in values.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{section}/{k}", v, step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -85,14 +87,22 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
-    """A 2x2 PNG: loss, MLM/NSP accuracy, throughput (seq/s) and learning rate against the step."""
+    """A 2x2 PNG: loss, MLM/NSP accuracy (training batches, and the held-out set when evaluated), throughput (seq/s)
+    and learning rate against the step."""
     # matplotlib is imported here, at the end of a run: nothing else needs it, so no other command pays its import
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_metrics(jsonl) if "loss" in r]
+    records = read_metrics(jsonl)
+    rows = [r for r in records if "loss" in r]
     steps = [r["step"] for r in rows]
+    evals = [r for r in records if r.get("event") == "eval"]
+
+    def held_out(ax, key: str, label: str) -> None:
+        points = [(r["step"], r["metrics"][key]) for r in evals if r["metrics"].get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", linestyle="--", label=label)
 
     def series(key: str) -> list[float]:
         return [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
@@ -103,11 +113,15 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     ax.plot(steps, series("mlm_loss"), label="MLM")
     if any(r.get("nsp_loss") for r in rows):
         ax.plot(steps, series("nsp_loss"), label="NSP")
+    held_out(ax, "mlm_loss", "MLM held-out")
+    held_out(ax, "nsp_loss", "NSP held-out")
     ax.set_title("loss"); ax.legend(); ax.set_xlabel("step")
     ax = axes[0][1]
     ax.plot(steps, series("mlm_acc"), label="MLM accuracy")
     if any(r.get("nsp_acc") is not None for r in rows):
         ax.plot(steps, series("nsp_acc"), label="NSP accuracy")
+    held_out(ax, "mlm_acc", "MLM held-out")
+    held_out(ax, "nsp_acc", "NSP held-out")
     ax.set_ylim(0, 1); ax.set_title("accuracy"); ax.legend(); ax.set_xlabel("step")
     ax = axes[1][0]
     ax.plot(steps, series("seq_per_s"), label="sequences/s")

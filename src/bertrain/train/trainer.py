@@ -49,6 +49,7 @@ from bertrain.model.options import apply_model_options
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
 from bertrain.train.dcp import save_sharded_checkpoint
+from bertrain.train.evaluation import Evaluator, OnEval
 from bertrain.train.distributed import (
     DistInfo, all_reduce_sum, gather_objects, grads_are_synced, no_sync, on_rank0, wrap_model,
 )
@@ -99,6 +100,10 @@ class Task(Protocol):
     def metrics(self, sums: dict[str, float]) -> dict[str, Any]:
         """Derived numbers for a log record from the summed outputs of `forward` over an interval."""
 
+    # Optional, for evaluation while training (train/evaluation.py): `primary_metric: str` and
+    # `evaluate(model, dist, precision) -> {metric: value}` (the plain model in eval mode under no_grad; the same
+    # numbers on every rank); `can_evaluate: bool` (False: no evaluation data, e.g. a store without held-out set).
+
 
 @dataclass
 class RunResult:
@@ -114,6 +119,9 @@ class RunResult:
     last_metrics: dict[str, Any] = field(default_factory=dict)
     start_step: int = 0
     """The step this process started at (> 0 after a resume)."""
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    """`Evaluator.summary()`: the selection metric, the best step and value, why the run stopped early, every
+    evaluation (empty when the task does not evaluate)."""
 
 
 class Trainer:
@@ -125,7 +133,9 @@ class Trainer:
         self.dist = dist
         self.out = Path(cfg.output_dir)
 
-    def fit(self, task: Task, resume: str | None = None, allow_config_change: bool = False) -> RunResult:
+    def fit(self, task: Task, resume: str | None = None, allow_config_change: bool = False,
+            on_eval: OnEval | None = None) -> RunResult:
+        """`on_eval(step, value)`: called after each evaluation (train/evaluation.py); True stops the run."""
         cfg, dist = self.cfg, self.dist
         plan = resolve_batch(cfg.train, dist.world_size)
         dims = ParallelDims.from_config(cfg, dist.world_size)  # refuses a strategy that does not fit the job
@@ -136,14 +146,17 @@ class Trainer:
         if dims.fsdp_enabled:  # before the optimizer: fully_shard replaces the parameters with this rank's shards
             template = meta_copy(model)
             apply_fsdp(model, cfg, dist)
-        total_steps = resolve_total_steps(cfg.train, loader, plan)
+        per_epoch = min(gather_objects(len(loader))) // plan.accumulation  # the shortest rank decides, as the loop
+        total_steps = resolve_total_steps(cfg.train, per_epoch, plan)
         lr = scaled_lr(cfg, plan)
         optimizer = build_optimizer(model, cfg.optim, lr)
         scheduler = build_scheduler(optimizer, cfg.schedule, total_steps)
         precision = Precision(cfg.precision, dist.device)
         ckpt.seed_rank_rng(cfg.seed, dist.rank, 0)  # dropout differs per rank, reproducibly
         state, changes = TrainState(), {}
-        states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist)
+        evaluator = Evaluator(cfg.eval, task, dist, precision, self.out, total_steps, per_epoch, template, on_eval)
+        states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist,
+                                 evaluator.history)
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
             changes = restore(start, states, dist, cfg, plan, allow_config_change)
@@ -156,7 +169,7 @@ class Trainer:
                      task.name, total_steps, plan.global_batch_size, plan.micro_batch_size, plan.accumulation,
                      plan.world_size, lr, cfg.optim.name, cfg.precision.mode)
         start_step = state.step
-        run = _Run(self, task, ddp_model, states, total_steps, plan)
+        run = _Run(self, task, ddp_model, states, total_steps, plan, evaluator)
         t0 = time.perf_counter()
         with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, self.out) as watchdog, \
                 MetricsLogger(self.out, dist.is_main, resume_step=state.step if start else None) as ml, \
@@ -171,19 +184,22 @@ class Trainer:
         if template is not None:  # one plain module again (every rank) for evaluation and the HF export
             # (the copy keeps the options' flags but not a compiled layer's compiled call: applied again)
             model = apply_model_options(gather_full_model(model, template, dist.device), cfg.model_options)
-        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step)
+        if not stopped:
+            model = evaluator.final_model(model, state.step)
+        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step,
+                         evaluator.summary() if evaluator.enabled else {})
 
 
 class _Run:
     """The state of one `fit`: the step loop and the checkpoint writer."""
 
     def __init__(self, trainer: Trainer, task: Task, model: nn.Module, states: dict[str, Stateful],
-                 total_steps: int, plan: BatchPlan) -> None:
+                 total_steps: int, plan: BatchPlan, evaluator: Evaluator) -> None:
         self.cfg, self.dist, self.out = trainer.cfg, trainer.dist, trainer.out
         self.task, self.model, self.states = task, model, states  # `model`: wrapped (DDP) for the steps
         self.loader, self.optimizer = states["loader"], states["optimizer"]
         self.scheduler, self.precision, self.state = states["scheduler"], states["precision"], states["state"]
-        self.total_steps, self.plan = total_steps, plan
+        self.total_steps, self.plan, self.evaluator = total_steps, plan, evaluator
 
     def steps(self, stop: StopSignal, metrics_log: MetricsLogger,
               watchdog: Watchdog) -> tuple[bool, dict[str, Any]]:
@@ -197,6 +213,10 @@ class _Run:
         bar = tqdm(total=self.total_steps, initial=state.step, desc=self.task.name, unit="step",
                    dynamic_ncols=True, disable=not _show_bar(dist))
         last: dict[str, Any] = {}
+        history = self.evaluator.history
+        if history.stop_reason:  # resumed from the checkpoint the run stopped early at: nothing left to do
+            log.info("the run stopped at step %d: %s", state.step, history.stop_reason)
+            return False, last
         while state.step < self.total_steps:
             t0 = time.perf_counter()
             micro_batches = take(batches, plan.accumulation)
@@ -236,9 +256,14 @@ class _Run:
                 log.warning("stop requested (signal): saving step %d and exiting", state.step)
                 bar.close()
                 return True, last
+            if self.evaluator.due(state.step):  # before the save: the checkpoint holds this evaluation
+                metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
             if cfg.checkpoint.save_interval and state.step % cfg.checkpoint.save_interval == 0:
                 self.save()
             watchdog.step_done(state.step)
+            if history.stop_reason:
+                log.warning("stopping at step %d of %d: %s", state.step, self.total_steps, history.stop_reason)
+                break
         bar.close()
         return False, last
 
@@ -350,11 +375,10 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def resolve_total_steps(train: TrainConfig, loader: Loader, plan: BatchPlan) -> int:
-    """train.steps, or epochs x full steps per epoch (the shortest rank decides, as the loop does), rounded up."""
+def resolve_total_steps(train: TrainConfig, per_epoch: int, plan: BatchPlan) -> int:
+    """train.steps, or epochs x full steps per epoch, rounded up."""
     if train.steps:
         return train.steps
-    per_epoch = min(gather_objects(len(loader))) // plan.accumulation
     if per_epoch == 0:
         raise ValueError(f"config key 'train.global_batch_size': one epoch has fewer than {plan.global_batch_size} "
                          "samples, so not a single step fits")
