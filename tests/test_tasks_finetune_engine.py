@@ -45,10 +45,11 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["glue", "squad"])
 def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path], task: str) -> None:
-    """Dropout on, so the RNG state of the killed run must be restored exactly too."""
+    """Dropout on, so the RNG state of the killed run must be restored exactly too; a dev evaluation every 10 steps,
+    so the evaluation history, the best step and OUTPUT/best must come back exactly as well."""
     data = finetune_data(task, tmp_path / "data")
     steps, kill_after = 80, 6
-    ckpt = ["--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0"]
+    ckpt = ["--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0", "--eval.interval", "10"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     # the straight run and the run to kill go side by side (one thread each: the same numbers as alone)
     straight_proc = subprocess.Popen([sys.executable, "-m", "bertrain",
@@ -75,9 +76,13 @@ def test_killed_finetune_resumes_bitwise(tmp_path: Path, models: dict[str, Path]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     la, lb = _losses(straight), _losses(killed)
     assert sorted(lb) == list(range(1, steps + 1)) and la == lb  # every step's loss, bit for bit
+    ra, rb = (json.loads((d / "eval_results.json").read_text()) for d in (straight, killed))
+    assert set(range(10, steps + 1, 10)) <= {h["step"] for h in ra["selection"]["history"]}  # (and each epoch)
+    assert ra["selection"] == rb["selection"]  # every dev evaluation, the best step, bit for bit
+    best_a, best_b = (load_file(str(d / "best" / "model.safetensors")) for d in (straight, killed))
+    assert all(torch.equal(best_a[k], best_b[k]) for k in best_a)
     if task == "glue":
         assert (straight / "RTE.tsv").read_bytes() == (killed / "RTE.tsv").read_bytes()
-        ra, rb = (json.loads((d / "eval_results.json").read_text()) for d in (straight, killed))
         assert ra["dev"] == rb["dev"]
     else:
         for name in ("predictions.json", "nbest_predictions.json", "null_odds.json"):

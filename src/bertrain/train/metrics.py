@@ -99,29 +99,27 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     steps = [r["step"] for r in rows]
     evals = [r for r in records if r.get("event") == "eval"]
 
-    def held_out(ax, key: str, label: str) -> None:
-        points = [(r["step"], r["metrics"][key]) for r in evals if r["metrics"].get(key) is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", linestyle="--", label=label)
-
     def series(key: str) -> list[float]:
         return [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
+
+    def curve(ax, key: str, label: str, always: bool = True) -> None:
+        """The training-batch series of `key` (solid) and the held-out one (dashed, dots), in one colour."""
+        color = None
+        if always or any(r.get(key) is not None for r in rows):
+            color = ax.plot(steps, series(key), marker="." if len(steps) < 3 else None, label=label)[0].get_color()
+        points = [(r["step"], r["metrics"][key]) for r in evals if r["metrics"].get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", linestyle="--", color=color, label=f"{label} held-out")
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     ax = axes[0][0]
     ax.plot(steps, series("loss"), label="total")
-    ax.plot(steps, series("mlm_loss"), label="MLM")
-    if any(r.get("nsp_loss") for r in rows):
-        ax.plot(steps, series("nsp_loss"), label="NSP")
-    held_out(ax, "mlm_loss", "MLM held-out")
-    held_out(ax, "nsp_loss", "NSP held-out")
+    curve(ax, "mlm_loss", "MLM")
+    curve(ax, "nsp_loss", "NSP", always=False)
     ax.set_title("loss"); ax.legend(); ax.set_xlabel("step")
     ax = axes[0][1]
-    ax.plot(steps, series("mlm_acc"), label="MLM accuracy")
-    if any(r.get("nsp_acc") is not None for r in rows):
-        ax.plot(steps, series("nsp_acc"), label="NSP accuracy")
-    held_out(ax, "mlm_acc", "MLM held-out")
-    held_out(ax, "nsp_acc", "NSP held-out")
+    curve(ax, "mlm_acc", "MLM accuracy")
+    curve(ax, "nsp_acc", "NSP accuracy", always=False)
     ax.set_ylim(0, 1); ax.set_title("accuracy"); ax.legend(); ax.set_xlabel("step")
     ax = axes[1][0]
     ax.plot(steps, series("seq_per_s"), label="sequences/s")
