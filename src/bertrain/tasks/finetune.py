@@ -100,6 +100,7 @@ class FinetuneConfig(TrainerConfig):
             raise ValueError("config key 'init' must name a model folder (--init)")
         if not self.output_dir:
             raise ValueError("config key 'output_dir' must not be empty (--output)")
+        super().__post_init__()
         if self.eval_batch_size < 1:
             raise ValueError(f"config key 'eval_batch_size' must be >= 1, got {self.eval_batch_size}")
 

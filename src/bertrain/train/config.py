@@ -7,6 +7,7 @@ the world size (the batch arithmetic) live in `resolve_batch`, called once the l
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -93,6 +94,9 @@ class ScheduleConfig:
     """warmup_exp_decay_exp: steps per decay_rate factor."""
     warmup_power: float = 2.0
     """warmup_exp_decay_exp: warmup rises as (t/warmup)^warmup_power (DeepSpeed's degree 2)."""
+    on_time: bool = False
+    """Follow the wall clock instead of the step count: the schedule reaches its end at train.max_time (as
+    cramming does); warmup is then a fraction of the budget. Such a run is not bit-reproducible."""
 
     def __post_init__(self) -> None:
         check_all([
@@ -270,6 +274,10 @@ class TrainConfig:
     """Log metrics every this many steps."""
     trim_padding: bool = True
     """Drop padding columns beyond the longest sequence of each micro-batch (same result, less compute)."""
+    max_time: str = ""
+    """A wall-clock budget for the training loop, e.g. '90m', '24h', '1h30m', '3600s' ('' = none): the run ends
+    cleanly at the first step past it (checkpoint, final evaluation and export, exit 0). The time spent is part of
+    the checkpoint, so a resumed run has only the rest of the budget."""
 
     def __post_init__(self) -> None:
         check_all([
@@ -283,8 +291,30 @@ class TrainConfig:
         ])
 
     def _check_length(self) -> None:
-        if self.steps == 0 and self.epochs == 0:
-            raise ValueError("config keys 'train.steps' and 'train.epochs' are both 0: set one of them")
+        self.max_time_s  # parses, or raises naming the key
+        if self.steps == 0 and self.epochs == 0 and not self.max_time:
+            raise ValueError("config keys 'train.steps', 'train.epochs' and 'train.max_time' are all unset: set one "
+                             "of them")
+
+    @property
+    def max_time_s(self) -> float | None:
+        """`max_time` in seconds (None: no budget)."""
+        return parse_duration("train.max_time", self.max_time) if self.max_time else None
+
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
+
+
+def parse_duration(key: str, text: str) -> float:
+    """'90m', '24h', '1h30m', '2d', '45s' or plain seconds ('3600') -> seconds (> 0)."""
+    m = _DURATION.fullmatch(text.strip().lower())
+    if not text.strip() or m is None or not any(m.groups()):
+        raise ValueError(f"config key '{key}': expected a duration such as 90m, 24h, 1h30m or 3600s, got {text!r}")
+    d, h, mins, s = (float(g) if g else 0.0 for g in m.groups())
+    seconds = ((d * 24 + h) * 60 + mins) * 60 + s
+    if seconds <= 0:
+        raise ValueError(f"config key '{key}' must be a positive duration, got {text!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -351,3 +381,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ValueError("config key 'output_dir' must not be empty")
+        if self.schedule.on_time and not self.train.max_time:
+            raise ValueError("config key 'schedule.on_time' needs a time budget: set train.max_time")
+        if self.train.max_time and not (self.train.steps or self.train.epochs) and not self.schedule.on_time and \
+                self.schedule.name != "constant":
+            raise ValueError("config key 'train.max_time' without train.steps or train.epochs leaves the "
+                             f"{self.schedule.name} schedule no length: set schedule.on_time: true (the schedule "
+                             "ends at the budget) or train.steps")

@@ -102,10 +102,11 @@ class Evaluator:
         self.on_eval = on_eval
         self.history = EvalHistory()
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, last: bool = False) -> bool:
+        """Evaluate after `step`? (`last`: the loop ends after it for another reason, e.g. the time budget.)"""
         if not self.enabled:
             return False
-        return step == self.total_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0) or \
+        return last or step == self.total_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0) or \
             (self.cfg.each_epoch and self.steps_per_epoch > 0 and step % self.steps_per_epoch == 0)
 
     def evaluate(self, model: nn.Module, step: int, epoch: int) -> dict[str, Any]:

@@ -58,6 +58,23 @@ class LRMultiplier:
         return self.end + (1.0 - self.end) * shape
 
 
+ON_TIME_STEPS = 100_000
+"""`schedule.on_time`: the budget as this many virtual steps (the LR changes in steps of 1e-5 of the budget)."""
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LambdaLR:
-    """A LambdaLR following `cfg` over `total_steps` optimizer steps."""
+    """A LambdaLR following `cfg` over `total_steps` optimizer steps (over the time budget with `cfg.on_time`)."""
+    if cfg.on_time:
+        if cfg.warmup >= 1:
+            raise ValueError(f"config key 'schedule.warmup' ({cfg.warmup:g}) must be a fraction (< 1) of the time "
+                             "budget with schedule.on_time")
+        total_steps = ON_TIME_STEPS
     return LambdaLR(optimizer, LRMultiplier(cfg, total_steps))
+
+
+def advance(scheduler: LambdaLR, cfg: ScheduleConfig, budget_fraction: float) -> None:
+    """One optimizer step taken: the next step's LR, by the step count or, with `cfg.on_time`, by the fraction of
+    the time budget spent (the same value on every rank: the trainer averages the ranks' clocks)."""
+    if cfg.on_time:
+        scheduler.last_epoch = min(ON_TIME_STEPS, int(budget_fraction * ON_TIME_STEPS)) - 1
+    scheduler.step()

@@ -3,7 +3,7 @@
 
 `Trainer.fit` builds the map with `training_states`: model, optimizer, scheduler, precision (the fp16 loss scaler),
 loader (the data position), rng (every rank's generators), threads (the CPU thread count), state (step, epoch,
-samples), eval (the evaluation history, best step and early-stopping count: `train/evaluation.EvalHistory`). A new piece of run state is one more entry here — nothing in the save or the restore changes.
+samples), clock (training time, for a time budget), eval (the evaluation history, best step and early-stopping count: `train/evaluation.EvalHistory`). A new piece of run state is one more entry here — nothing in the save or the restore changes.
 
 Where each entry lives in a checkpoint folder (`train/checkpoint.py`): the two entries holding big tensors,
 `TENSOR_STATES`, are stored by the checkpoint format (the model as an HF folder and the optimizer in
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -96,13 +97,34 @@ class ThreadCount:
             torch.set_num_threads(threads)
 
 
+class Clock:
+    """Wall time spent in the training loop, summed over the resumes of a run: what `train.max_time` and the on-time
+    schedule count. Kept apart from `TrainState` (whose counters a straight and a resumed run share bit for bit)."""
+
+    def __init__(self) -> None:
+        self.before = 0.0  # seconds spent by the processes this run resumed from
+        self.t0: float | None = None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return self.before + (time.perf_counter() - self.t0 if self.t0 is not None else 0.0)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"elapsed_s": self.elapsed()}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.before = float(state["elapsed_s"])
+
+
 def training_states(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Any,
                     loader: Any, state: TrainState, seed: int, dist: DistInfo,
-                    eval_history: Stateful) -> dict[str, Stateful]:
+                    eval_history: Stateful, clock: Stateful) -> dict[str, Stateful]:
     """The registry of one run (see the module docstring). Restored in this order: `state` before `rng`."""
     return {"state": state, "model": model, "optimizer": optimizer, "scheduler": scheduler,
             "precision": precision, "loader": loader, "rng": RngStates(seed, dist, state),
-            "threads": ThreadCount(dist.device), "eval": eval_history}
+            "threads": ThreadCount(dist.device), "eval": eval_history, "clock": clock}
 
 
 def saved_entries(states: dict[str, Stateful]) -> dict[str, Any]:

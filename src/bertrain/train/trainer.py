@@ -47,6 +47,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from bertrain.config import save_config
 from bertrain.model.options import apply_model_options
 from bertrain.train import checkpoint as ckpt
+from bertrain.train import schedules
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
 from bertrain.train.dcp import save_sharded_checkpoint
 from bertrain.train.evaluation import Evaluator, OnEval
@@ -59,7 +60,7 @@ from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model,
 from bertrain.train.precision import Precision
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
-from bertrain.train.states import Stateful, TrainState, saved_entries, training_states
+from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
 from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
 
@@ -122,6 +123,8 @@ class RunResult:
     evaluation: dict[str, Any] = field(default_factory=dict)
     """`Evaluator.summary()`: the selection metric, the best step and value, why the run stopped early, every
     evaluation (empty when the task does not evaluate)."""
+    stop_reason: str | None = None
+    """Why the run ended before its step count (the time budget), None otherwise."""
 
 
 class Trainer:
@@ -156,7 +159,7 @@ class Trainer:
         state, changes = TrainState(), {}
         evaluator = Evaluator(cfg.eval, task, dist, precision, self.out, total_steps, per_epoch, template, on_eval)
         states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist,
-                                 evaluator.history)
+                                 evaluator.history, Clock())
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
             changes = restore(start, states, dist, cfg, plan, allow_config_change)
@@ -165,9 +168,15 @@ class Trainer:
         ddp_model = model if dims.fsdp_enabled else wrap_model(model, dist, cfg.distributed)
         if dist.is_main:
             save_config(cfg, self.out / "config.yaml")
-            log.info("%s: %d steps, global batch %d = micro %d x accumulation %d x %d ranks, lr %g, %s, %s",
-                     task.name, total_steps, plan.global_batch_size, plan.micro_batch_size, plan.accumulation,
-                     plan.world_size, lr, cfg.optim.name, cfg.precision.mode)
+            length = "until the time budget" if total_steps == NO_STEP_LIMIT else f"{total_steps} steps"
+            if cfg.train.max_time:
+                length += f" (at most {cfg.train.max_time} of training time)"
+            log.info("%s: %s, global batch %d = micro %d x accumulation %d x %d ranks, lr %g, %s, %s", task.name,
+                     length, plan.global_batch_size, plan.micro_batch_size, plan.accumulation, plan.world_size, lr,
+                     cfg.optim.name, cfg.precision.mode)
+            if cfg.schedule.on_time:
+                log.warning("schedule.on_time: the learning rate follows the wall clock, so this run is not "
+                            "bit-reproducible (nor is a resumed one equal to a straight one)")
         start_step = state.step
         run = _Run(self, task, ddp_model, states, total_steps, plan, evaluator)
         t0 = time.perf_counter()
@@ -187,7 +196,7 @@ class Trainer:
         if not stopped:
             model = evaluator.final_model(model, state.step)
         return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step,
-                         evaluator.summary() if evaluator.enabled else {})
+                         evaluator.summary() if evaluator.enabled else {}, run.stop_reason)
 
 
 class _Run:
@@ -200,6 +209,8 @@ class _Run:
         self.loader, self.optimizer = states["loader"], states["optimizer"]
         self.scheduler, self.precision, self.state = states["scheduler"], states["precision"], states["state"]
         self.total_steps, self.plan, self.evaluator = total_steps, plan, evaluator
+        self.stop_reason: str | None = None
+        """Why the loop ended before total_steps (a time budget), None otherwise."""
 
     def steps(self, stop: StopSignal, metrics_log: MetricsLogger,
               watchdog: Watchdog) -> tuple[bool, dict[str, Any]]:
@@ -210,10 +221,17 @@ class _Run:
         batches = iter(self.loader)
         empty_epochs = 0  # epochs in a row that ended before a single step: data too small for one global batch
         steps_this_epoch = 0
-        bar = tqdm(total=self.total_steps, initial=state.step, desc=self.task.name, unit="step",
+        bar = tqdm(total=None if self.total_steps == NO_STEP_LIMIT else self.total_steps, initial=state.step, desc=self.task.name, unit="step",
                    dynamic_ncols=True, disable=not _show_bar(dist))
         last: dict[str, Any] = {}
         history = self.evaluator.history
+        clock, budget = self.states["clock"], cfg.train.max_time_s
+        if budget is not None and clock.elapsed() >= budget:  # resumed with no time left (the same on every rank)
+            self.stop_reason = f"no training time left: {clock.elapsed():.0f} s of train.max_time = " \
+                               f"{cfg.train.max_time} were spent before step {state.step}"
+            log.warning("%s", self.stop_reason)
+            return False, last
+        clock.start()
         if history.stop_reason:  # resumed from the checkpoint the run stopped early at: nothing left to do
             log.info("the run stopped at step %d: %s", state.step, history.stop_reason)
             return False, last
@@ -221,7 +239,8 @@ class _Run:
             t0 = time.perf_counter()
             micro_batches = take(batches, plan.accumulation)
             meter.data_time += time.perf_counter() - t0
-            flags = step_flags(self.task, micro_batches, plan.accumulation, stop.requested, dist)
+            flags = step_flags(self.task, micro_batches, plan.accumulation, stop.requested, dist,
+                               clock.elapsed() if budget else 0.0)
             if flags["ranks_with_data"] < dist.world_size:
                 # some rank has no full step left: every rank ends the epoch here together (no hang on uneven data)
                 empty_epochs = empty_epochs + 1 if steps_this_epoch == 0 else 0
@@ -240,14 +259,16 @@ class _Run:
             grad_norm, stepped = optimizer_step(self.model, params, self.optimizer, self.precision,
                                                 cfg.optim.max_grad_norm)
             if stepped:
-                self.scheduler.step()
+                schedules.advance(self.scheduler, cfg.schedule, flags["elapsed"] / budget if budget else 0.0)
             else:
                 state.skipped_steps += 1
             state.step += 1
             state.samples += plan.global_batch_size
             meter.add_step(shares, grad_norm, stepped)
             bar.update(1)
-            if state.step % cfg.train.log_interval == 0 or state.step == self.total_steps or flags["stop"]:
+            out_of_time = budget is not None and flags["elapsed"] >= budget  # the first step past the budget
+            if state.step % cfg.train.log_interval == 0 or state.step == self.total_steps or flags["stop"] or \
+                    out_of_time:
                 last = meter.flush(state, self.optimizer, self.precision, dist)
                 metrics_log.log(last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
@@ -256,11 +277,16 @@ class _Run:
                 log.warning("stop requested (signal): saving step %d and exiting", state.step)
                 bar.close()
                 return True, last
-            if self.evaluator.due(state.step):  # before the save: the checkpoint holds this evaluation
+            if self.evaluator.due(state.step, last=out_of_time):  # before the save: the checkpoint holds it
                 metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
             if cfg.checkpoint.save_interval and state.step % cfg.checkpoint.save_interval == 0:
                 self.save()
             watchdog.step_done(state.step)
+            if out_of_time:
+                self.stop_reason = f"stopped at the time budget (train.max_time = {cfg.train.max_time}) after " \
+                                   f"{state.step} steps"
+                log.warning("%s", self.stop_reason)
+                break
             if history.stop_reason:
                 log.warning("stopping at step %d of %d: %s", state.step, self.total_steps, history.stop_reason)
                 break
@@ -334,18 +360,20 @@ def optimizer_step(model: nn.Module, params: list[nn.Parameter], optimizer: torc
 
 
 def step_flags(task: Task, micro_batches: list[Batch], accumulation: int, stop: bool,
-               dist: DistInfo) -> dict[str, Any]:
-    """One all-reduce per step: global target counts per loss group, ranks with a full step, stop requests."""
+               dist: DistInfo, elapsed: float = 0.0) -> dict[str, Any]:
+    """One all-reduce per step: global target counts per loss group, ranks with a full step, stop requests, and
+    the training time (`elapsed`, the ranks' mean: one number every rank agrees on for a time budget)."""
     full = len(micro_batches) == accumulation
     counts = [0] * len(task.loss_groups)
     if full:
         for mb in micro_batches:
             counts = [a + b for a, b in zip(counts, task.target_counts(mb))]
-    v = torch.tensor([*counts, int(full), int(stop)], dtype=torch.float64, device=dist.device)
+    v = torch.tensor([*counts, int(full), int(stop), elapsed], dtype=torch.float64, device=dist.device)
     if dist.device.type == "cuda" or dist.world_size > 1:
         v = all_reduce_sum(v)
-    *counts, ranks, stops = (int(x) for x in v.tolist())
-    return {"counts": counts, "ranks_with_data": ranks, "stop": stops > 0}
+    *values, elapsed_sum = v.tolist()
+    *counts, ranks, stops = (int(x) for x in values)
+    return {"counts": counts, "ranks_with_data": ranks, "stop": stops > 0, "elapsed": elapsed_sum / dist.world_size}
 
 
 def take(it: Iterator, n: int) -> list:
@@ -375,10 +403,16 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+NO_STEP_LIMIT = 2 ** 62
+"""total_steps of a run bounded only by train.max_time."""
+
+
 def resolve_total_steps(train: TrainConfig, per_epoch: int, plan: BatchPlan) -> int:
-    """train.steps, or epochs x full steps per epoch, rounded up."""
+    """train.steps, or epochs x full steps per epoch, rounded up (NO_STEP_LIMIT: a time budget alone)."""
     if train.steps:
         return train.steps
+    if not train.epochs:
+        return NO_STEP_LIMIT
     if per_epoch == 0:
         raise ValueError(f"config key 'train.global_batch_size': one epoch has fewer than {plan.global_batch_size} "
                          "samples, so not a single step fits")
