@@ -11,6 +11,11 @@ Around them: config.json in both directions, reading HF folders written by any t
 from Google's checkpoints (`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style
 `gamma`/`beta`), and writing folders that `transformers` loads without a missing-weight warning.
 
+A model is named by a folder or by a Hub model id (`ORG/NAME`, optionally `@REVISION`), which `resolve_model_dir`
+finds in the local Hugging Face cache (`HF_HUB_CACHE`, `HF_HOME`; the snapshot layout
+`models--ORG--NAME/snapshots/<commit>/`, `refs/<branch>`); nothing is downloaded, so it works with HF_HUB_OFFLINE=1.
+That lookup is the one use of `huggingface_hub` here (the optional extra `bertrain[hub]`), imported only then.
+
 This module imports `bertrain.model.bert`, never the reverse: the model knows nothing about files. The model
 classes' `from_pretrained` / `save_pretrained` methods are `load_pretrained` / `save_pretrained` below, installed
 on `BertPreTrainedModel` at the end of this module (`bertrain.model` imports it, so any model import has them).
@@ -39,6 +44,7 @@ from bertrain.model.bert import (
     BertModel,
     BertPreTrainedModel,
 )
+from bertrain.utils.errors import UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,11 @@ _VOCAB_ROWS = ("embeddings.word_embeddings.weight", "cls.predictions.bias")
 _BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # HF buffers, not weights
 _TIED_DECODER = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # = word embeddings / bias
 _BASE_ROOTS = ("embeddings.", "encoder.", "pooler.")
+# A Hub model id, as the Hub spells them ("bert-base-uncased", "google-bert/bert-base-uncased"), with an optional
+# "@revision" (a branch, tag or commit); anything else (two slashes, "./x", "/x", "~/x") is only ever a path.
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?:@(?P<revision>[\w./-]+))?")
+_HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)(?:--(?P<name>[^/]+))?/snapshots/[^/]+/?$")
+HUB_EXTRA = 'pip install "bertrain[hub]"'
 # Groups of keys a checkpoint may lack; reported by name when initialised.
 HEADS = {"pooler": "pooler.", "MLM head": "cls.predictions.", "NSP head": "cls.seq_relationship.",
          "classification head": "classifier.", "QA head": "qa_outputs."}
@@ -167,6 +178,60 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], config: BertConfig) -> di
     return out
 
 
+# ----------------------------------------------------------------------------------------------- Hub model ids
+
+def split_hub_id(name: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when `name` reads as a Hub model id (`ORG/NAME`, `NAME`, `ORG/NAME@REVISION`),
+    else None. Whether it *is* one is for `resolve_model_dir` to say: an existing path always wins."""
+    m = _HUB_ID.fullmatch(name)
+    if m is None or name.endswith((".json", ".txt", ".yaml", ".safetensors", ".bin")):
+        return None
+    return m["repo"], m["revision"]
+
+
+def hub_id_of(path: str | os.PathLike) -> str | None:
+    """The Hub model id of a folder in the HF cache layout (`.../models--ORG--NAME/snapshots/<commit>`), else None."""
+    m = _HUB_SNAPSHOT.search(Path(path).as_posix())
+    if m is None:
+        return None
+    return f"{m['org']}/{m['name']}" if m["name"] else m["org"]
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+    """The folder of a model named by a path or a Hub model id.
+
+    An existing path (or one that cannot be a Hub id) is returned as is: the caller's own error names what it
+    misses. Otherwise `ORG/NAME[@REVISION]` is looked up in the local Hugging Face cache, never downloaded (works
+    with HF_HUB_OFFLINE=1); absent, the error says how to fetch it."""
+    path = Path(name_or_path)
+    hub = None if path.exists() else split_hub_id(str(name_or_path))
+    if hub is None:
+        return path
+    repo_id, revision = hub
+    at = f" --revision {revision}" if revision else ""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        raise UserError(f"{name_or_path}: no such folder; to use it as a Hugging Face Hub model id (found in the local "
+                        f"HF cache) install huggingface_hub: {HUB_EXTRA}") from None
+    cache = constants.HF_HUB_CACHE
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise UserError(f"{name_or_path}: no such folder, and the Hub model {repo_id}"
+                        f"{f' at revision {revision}' if revision else ''} is not in the local Hugging Face cache "
+                        f"({cache}); fetch it once while online with `hf download {repo_id}{at}` (then it also loads "
+                        "with HF_HUB_OFFLINE=1), or give a local model folder") from None
+    except HFValidationError as e:
+        raise UserError(f"{name_or_path}: no such folder, and not a valid Hub model id ({e})") from None
+    if not any((snapshot / name).is_file() for name in CONFIG_NAMES):
+        raise UserError(f"{name_or_path}: the local Hugging Face cache holds only part of {repo_id} ({snapshot} has "
+                        f"no config.json); fetch the whole model with `hf download {repo_id}{at}`")
+    log.info("%s: the Hub model in the local Hugging Face cache, %s", name_or_path, snapshot)
+    return snapshot
+
+
 # ----------------------------------------------------------------------------------------------- reading
 
 def find_config_file(path: Path) -> Path:
@@ -256,8 +321,8 @@ def read_tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
 def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **kwargs: Any) -> BertPreTrainedModel:
     """`cls.from_pretrained(path, **kwargs)`: load an HF-format folder or a bertrain checkpoint folder; missing
     heads are initialised and reported. Keyword arguments override config fields (e.g. hidden_dropout_prob=0.0);
-    `num_labels` for classification."""
-    path = Path(path)
+    `num_labels` for classification. `path` may be a Hub model id in the local HF cache (`resolve_model_dir`)."""
+    path = resolve_model_dir(path)
     config_file = find_config_file(path)
     raw_config = read_config_json(config_file)
     config = _config_of(config_file, raw_config)  # validates, naming the file
@@ -353,8 +418,9 @@ def _short(keys: list[str], n: int = 8) -> str:
 
 
 def model_class_for(path: str | os.PathLike) -> type[BertPreTrainedModel]:
-    """The bertrain class for a folder: the one named in config.json's architectures, else by the heads present."""
-    path = Path(path)
+    """The bertrain class for a folder (or a Hub model id in the local HF cache): the one named in config.json's
+    architectures, else by the heads present."""
+    path = resolve_model_dir(path)
     raw = json.loads(find_config_file(path).read_text(encoding="utf-8"))
     for name in raw.get("architectures") or []:
         if name in MODEL_CLASSES:

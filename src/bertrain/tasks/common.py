@@ -10,6 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
+from bertrain.model.hf import resolve_model_dir
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -51,8 +53,9 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
     We build it from vocab.txt rather than tokenizer.json so that a bertrain checkpoint (which always carries
     vocab.txt and tokenizer_config.json) and an HF folder give the same tokenizer; BERT's basic tokenizer rules
     (clean text, split CJK characters, strip accents when lowercasing) are those of `BertWordPieceTokenizer`.
+    `model_dir` may be a Hub model id in the local HF cache (`bertrain.model.hf.resolve_model_dir`).
     """
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     vocab = model_dir / "vocab.txt"
     if not vocab.is_file():
         raise ValueError(f"model folder {model_dir} has no vocab.txt (needed for the tokenizer)")

@@ -185,8 +185,11 @@ CLS_KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels")
 
 
 def load_model(kind: str, path: str | Path, num_labels: int = 2) -> nn.Module:
-    """bertrain's BertForQuestionAnswering ("qa") / BertForSequenceClassification from an HF or checkpoint folder."""
-    path = Path(path)
+    """bertrain's BertForQuestionAnswering ("qa") / BertForSequenceClassification from an HF or checkpoint folder,
+    or a Hub model id in the local HF cache."""
+    from bertrain.model.hf import resolve_model_dir
+
+    path = resolve_model_dir(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json (need an HF-format or bertrain checkpoint folder)")
     if kind == "qa":

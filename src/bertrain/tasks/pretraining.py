@@ -375,8 +375,10 @@ def check_model_fits_samples(cfg: PretrainConfig) -> None:
     """Refuse a sample length beyond the model's positions before any vocabulary or data is built."""
     m = cfg.model
     if m.init:
-        config = config_from_json_file(Path(m.init) / "config.json") if (Path(m.init) / "config.json").is_file() \
-            else None
+        from bertrain.model.hf import resolve_model_dir  # a Hub model id: its snapshot in the local HF cache
+
+        init = resolve_model_dir(m.init)
+        config = config_from_json_file(init / "config.json") if (init / "config.json").is_file() else None
     elif m.preset.endswith(".json") or Path(m.preset).is_file():
         config = config_from_json_file(m.preset)
     else:
