@@ -6,7 +6,7 @@ import argparse
 import json
 
 from bertrain.data.prepare import PrepareConfig, add_heldout, prepare
-from bertrain.data.readers import CorpusConfig
+from bertrain.data.readers import INPUT_FORMATS, CorpusConfig
 from bertrain.data.samples import SampleConfig
 from bertrain.utils.errors import UserError
 
@@ -16,7 +16,9 @@ HELP = "tokenize corpora into a sharded token store and (--masking static) pretr
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--input", nargs="+", metavar="PATH", help="files, folders, globs or builtin:python-docs")
+    what.add_argument("--input", nargs="+", metavar="PATH",
+                      help="files (.txt, .xml, .jsonl, .parquet, .arrow; .bz2/.gz/.xz/.zst), folders (a `datasets` "
+                           "save_to_disk folder too), globs or builtin:python-docs")
     what.add_argument("--add-heldout", metavar="DIR",
                       help="instead of preparing: give the store DIR, prepared without a held-out set (before they "
                            "existed, or with --heldout-fraction 0), the one a fresh prepare would make, from its own "
@@ -39,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--whole-word-masking", action="store_true", help="static: mask whole words")
     a("--no-next-sentence", dest="next_sentence", action="store_false",
       help="static: MLM-only packing (full sentences up to the length, no NSP pairs)")
-    a("--input-format", default="auto", choices=["auto", "wiki", "text", "lines", "jsonl"])
-    a("--text-field", default="text", help="JSONL key holding the text")
+    a("--input-format", default="auto", choices=INPUT_FORMATS)
+    a("--text-column", "--text-field", dest="text_field", default="text", metavar="NAME",
+      help="Parquet/Arrow column (or JSONL key) holding a document's text (default text)")
     a("--encoding", default="utf-8", help="encoding of text/JSONL inputs, e.g. latin-1 or cp1252 (default utf-8; a "
                                           "file that is not text in it is refused)")
     a("--min-document-chars", type=int, default=20)

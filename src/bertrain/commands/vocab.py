@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bertrain.data.readers import CorpusConfig
+from bertrain.data.readers import INPUT_FORMATS, CorpusConfig
 from bertrain.data.tokenizer import VOCAB_STATS, tokenizer_identity, train_vocab
 
 HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
@@ -13,14 +13,16 @@ HELP = "train a WordPiece vocabulary (vocab.txt) on a corpus"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="files, folders, globs or builtin:python-docs")
+                        help="files (.txt, .xml, .jsonl, .parquet, .arrow; .bz2/.gz/.xz/.zst), folders (a `datasets` "
+                             "save_to_disk folder too), globs or builtin:python-docs")
     parser.add_argument("--output", required=True, metavar="DIR", help="folder to write vocab.txt into")
     parser.add_argument("--vocab-size", type=int, default=30522, help="number of tokens (default 30522)")
     parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lower-case)")
     parser.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency to merge (default 2)")
     parser.add_argument("--limit-alphabet", type=int, default=1000, help="maximum initial characters kept")
-    parser.add_argument("--input-format", default="auto", choices=["auto", "wiki", "text", "lines", "jsonl"])
-    parser.add_argument("--text-field", default="text", help="JSONL key holding the text")
+    parser.add_argument("--input-format", default="auto", choices=INPUT_FORMATS)
+    parser.add_argument("--text-column", "--text-field", dest="text_field", default="text", metavar="NAME",
+                        help="Parquet/Arrow column (or JSONL key) holding a document's text (default text)")
     parser.add_argument("--encoding", default="utf-8",
                         help="encoding of text/JSONL inputs, e.g. latin-1 or cp1252 (default utf-8; a file that is "
                              "not text in it is refused)")

@@ -1,7 +1,8 @@
 """Input decoding: bytes on disk -> text, strictly (used by `bertrain.data.readers`).
 
-`CountingReader` opens an input (`.bz2`, `.gz` and `.xz` decompressed on the fly), counts the bytes read, follows
-the position on disk for the progress, and turns a truncated compressed stream into a clean end of file.
+`CountingReader` opens an input (`.bz2`, `.gz`, `.xz` and `.zst` decompressed on the fly; zstandard, from the
+`data` extra, imported only for a `.zst` file), counts the bytes read, follows the position on disk for the
+progress, and turns a truncated compressed stream into a clean end of file.
 `text_blocks` / `text_lines` decode it in blocks of whole lines, cutting over-long lines into pieces.
 
 Decoding is strict: text is UTF-8 unless `CorpusConfig.encoding` names another (ASCII-compatible, see
@@ -52,8 +53,61 @@ class Tally(Protocol):
     def add(self, source: str, what: str, n: int = 1) -> None: ...
 
 
+COMPRESSED_SUFFIXES = (".bz2", ".gz", ".xz", ".zst", ".zstd")
+
+
 def _is_compressed(path: str) -> bool:
-    return path.lower().endswith((".bz2", ".gz", ".xz"))
+    return path.lower().endswith(COMPRESSED_SUFFIXES)
+
+
+class _ZstdStream:
+    """`read(n)` of the decompressed data of a .zst file, every frame in turn (`zstd` and `pzstd` write several).
+
+    Why not zstandard's `stream_reader`: at a cut-off file it returns a short read as if the data ended there; this
+    raises `EOFError` (as bz2, gzip and lzma do) when the file ends inside a frame, so `CountingReader` reports the
+    file as truncated."""
+
+    _READ = 1 << 16  # compressed bytes fed at a time (text expands ~4x: the output stays small)
+
+    def __init__(self, f: IO[bytes], path: str):
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"reading {path} needs the zstandard package: pip install 'bertrain[data]'") from None
+        self._zstd = zstandard
+        self._f = f
+        self._dec = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False  # compressed bytes of the current frame were fed
+        self._out = bytearray()  # decompressed, not yet read (deleting from its front is cheap)
+        self._error: Exception | None = None  # a cut-off or damaged file: raised once what came before is read
+
+    def read(self, n: int = -1) -> bytes:
+        while self._error is None and (n < 0 or len(self._out) < n):
+            data = self._f.read(self._READ)
+            if not data:
+                if self._in_frame:
+                    self._error = EOFError("the file ends inside a zstd frame")
+                break
+            try:
+                while data:
+                    self._out += self._dec.decompress(data)
+                    self._in_frame = True
+                    if not self._dec.eof:
+                        break
+                    data = self._dec.unused_data  # the next frame starts here
+                    self._dec = self._zstd.ZstdDecompressor().decompressobj()
+                    self._in_frame = False
+            except self._zstd.ZstdError as e:  # damaged data: like bz2's OSError, kept up to here and reported
+                self._error = OSError(f"zstd: {e}")
+        if not self._out and self._error is not None:  # what came before the damage was returned first
+            raise self._error
+        n = len(self._out) if n < 0 else min(n, len(self._out))
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        return out
+
+    def close(self) -> None:
+        pass  # the file on disk is closed by its owner
 
 
 def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes]]:
@@ -69,6 +123,12 @@ def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes]]:
         return gzip.GzipFile(fileobj=f, mode="rb"), f
     if name.endswith(".xz"):
         return lzma.LZMAFile(f, "rb"), f
+    if name.endswith((".zst", ".zstd")):
+        try:
+            return _ZstdStream(f, path), f  # type: ignore[return-value]
+        except UserError:
+            f.close()
+            raise
     return f, f
 
 

@@ -1,9 +1,10 @@
 """Corpus readers: raw inputs -> documents (`iter_raw_documents`), and cleaned documents (`iter_documents`).
 
-Inputs (`resolve_inputs`): files, folders (recursive, sorted), globs, and `builtin:python-docs` (the English text
-of Python's own reference documentation, `pydoc_data.topics`, present on every Python installation). The format
-is chosen by suffix unless `CorpusConfig.input_format` says otherwise; `.bz2`, `.gz` and `.xz` are decompressed
-on the fly:
+Inputs (`resolve_inputs`): files, folders (recursive, sorted; hidden files and folders skipped), globs, HF `datasets`
+folders (`save_to_disk`: their Arrow files in order), and `builtin:python-docs` (the English text of Python's own
+reference documentation, `pydoc_data.topics`, present on every Python installation); one run may mix them all.
+The format is chosen by suffix unless `CorpusConfig.input_format` says otherwise; `.bz2`, `.gz`, `.xz` and `.zst`
+are decompressed on the fly:
 
 * `wiki`  (`.xml`, `.xml.bz2`, multistream too): MediaWiki XML dumps (markup stripped by
   `bertrain.data.wikitext`); redirects, non-article namespaces and (by default) disambiguation pages skipped; each
@@ -11,7 +12,12 @@ on the fly:
 * `text`  (`.txt` and anything else): documents separated by blank lines (a file without blank lines is one
   document); single newlines inside a document are soft (verse, wrapped paragraphs).
 * `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
-* `jsonl` (`.jsonl`, `.json`): one JSON object per line, the text in `text_field`.
+* `jsonl` (`.jsonl`, `.json`, `.ndjson`): one JSON object per line, the text in `text_field`.
+* `parquet` (`.parquet`: the Hugging Face Hub's layout, LDDL's) and `arrow` (`.arrow`: the files of a `datasets`
+  folder): one document per row, the text in the string column `text_field` (`--text-column`, default `text`);
+  read a record batch at a time (`bertrain.data.tables`; pyarrow from the `data` extra, imported only then). A
+  missing column or one that is not a string column is one error naming the file, the column and the columns
+  there are.
 
 Decoding is strict (`bertrain.data.decoding`): text is UTF-8 unless `CorpusConfig.encoding` names another
 (ASCII-compatible) encoding, and a file that is not text is refused with a `UserError` naming the file and the byte
@@ -32,6 +38,7 @@ import json
 import logging
 import os
 import re
+import typing
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -39,14 +46,17 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from bertrain.data.cleaning import clean_documents
-from bertrain.data.decoding import CountingReader, InputProgress, check_encoding, text_blocks, text_lines
+from bertrain.data.decoding import (COMPRESSED_SUFFIXES, CountingReader, InputProgress, check_encoding, text_blocks,
+                                    text_lines)
 from bertrain.data.progress import Progress
+from bertrain.data.tables import dataset_files, dataset_splits
 from bertrain.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 BUILTIN_PYTHON_DOCS = "builtin:python-docs"
-InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl"]
+InputFormat = Literal["auto", "wiki", "text", "lines", "jsonl", "parquet", "arrow"]
+INPUT_FORMATS: tuple[str, ...] = typing.get_args(InputFormat)
 
 # Per-file warnings logged one by one; the rest are summed up in one line (stats.json lists every file).
 MAX_WARNINGS = 10
@@ -57,9 +67,9 @@ class CorpusConfig:
     """How inputs are read and cleaned (shared by `bertrain vocab` and `bertrain prepare`)."""
 
     input_format: InputFormat = "auto"
-    """Input format for every input: auto (by suffix), wiki, text, lines, jsonl."""
+    """Input format for every input: auto (by suffix), wiki, text, lines, jsonl, parquet, arrow."""
     text_field: str = "text"
-    """JSONL: the key holding a document's text."""
+    """JSONL: the key holding a document's text; Parquet and Arrow (`datasets` folders): the text column."""
     min_document_chars: int = 20
     """Documents with fewer characters after cleaning are skipped (counted in the report)."""
     dedupe: bool = False
@@ -156,7 +166,7 @@ class SkipReport:
 # ----------------------------------------------------------------------------------------------- inputs
 
 def resolve_inputs(inputs: list[str]) -> list[str]:
-    """Expand folders (recursively, sorted) and globs into files; keep `builtin:` names. Missing input = error."""
+    """Expand folders (`_folder_files`) and globs into files; keep `builtin:` names. Missing input = error."""
     out: list[str] = []
     for spec in inputs:
         spec = str(spec)
@@ -170,7 +180,7 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
                 raise UserError(f"input glob {spec!r} matches no files")
             out.extend(matches)
         elif os.path.isdir(spec):
-            files = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and not p.name.startswith("."))
+            files = _folder_files(spec)
             if not files:
                 raise UserError(f"input folder {spec} contains no files")
             out.extend(files)
@@ -181,6 +191,45 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
         else:
             raise UserError(f"input {spec} does not exist (give files, folders, globs or {BUILTIN_PYTHON_DOCS})")
     return out
+
+
+def _folder_files(folder: str) -> list[str]:
+    """The files of a folder, recursively, sorted by path, without hidden files or folders (`.git`, the `.cache` of
+    a Hub download). A `datasets` folder in it (or `folder` itself) gives, where its first file sorts, its Arrow
+    files in their state.json order and nothing else (state.json, dataset_info.json are not text); a DatasetDict
+    folder gives those of each split in its dataset_dict.json order."""
+    root = Path(folder)
+    files = sorted(str(p) for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    kind: dict[str, str | None] = {}  # folder -> "dataset", "dict" or None
+
+    def kind_of(d: str) -> str | None:
+        if d not in kind:
+            kind[d] = "dataset" if dataset_files(d) is not None else "dict" if _is_dataset_dict(d) else None
+        return kind[d]
+
+    out: list[str] = []
+    done: set[str] = set()
+    for p in files:
+        rel = Path(p).relative_to(root).parent.parts
+        # the outermost datasets folder holding p (a DatasetDict holds its splits' folders)
+        owner = next((d for d in (str(root.joinpath(*rel[:i])) for i in range(len(rel) + 1)) if kind_of(d)), None)
+        if owner is None:
+            out.append(p)
+        elif owner not in done:
+            done.add(owner)
+            splits = dataset_splits(owner) if kind_of(owner) == "dict" else [""]
+            out.extend(str(f) for s in splits for f in dataset_files(os.path.join(owner, s)) or [])
+    return out
+
+
+def _is_dataset_dict(folder: str) -> bool:
+    """`folder` holds a dataset_dict.json whose every split is a `datasets` folder beside it."""
+    try:
+        splits = dataset_splits(folder)
+    except UserError:
+        return False
+    return bool(splits) and all(dataset_files(os.path.join(folder, s)) is not None for s in splits)
 
 
 def input_fingerprint(inputs: list[str]) -> list[list]:
@@ -212,7 +261,11 @@ def input_size(files: list[str]) -> int:
 
 def detect_format(path: str) -> str:
     name = path.lower()
-    for ext in (".bz2", ".gz", ".xz"):
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    for ext in COMPRESSED_SUFFIXES:
         if name.endswith(ext):
             name = name[: -len(ext)]
     if name.endswith(".xml"):
@@ -288,6 +341,31 @@ def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = 
                 continue
             yield RawDocument(text, "text", path)
         _account_file(reader, path, report)
+
+
+def _read_table(path: str, fmt: str, column: str, report: SkipReport,
+                progress: InputProgress | None = None) -> Iterator[RawDocument]:
+    """One document per row of a Parquet or Arrow file: the string column `column` (a null is counted, not read).
+    Streamed a record batch at a time; `report.input_bytes` counts the text's UTF-8 bytes."""
+    from bertrain.data.tables import Table, text_bytes
+
+    with Table(path, fmt) as table:
+        table.column(column, "string", hint="name the text column with --text-column (config key "
+                                            "corpus.text_field)")
+        rows = 0
+        for batch, pos in table.batches([column]):
+            values = batch.column(0)
+            rows += batch.num_rows
+            report.input_bytes += text_bytes(values)
+            if values.null_count:
+                report.add(path, f"rows_without_{column}", values.null_count)
+            for text in values.to_pylist():
+                if text is not None:
+                    yield RawDocument(text, "text", path)
+            if progress is not None:
+                progress.at(pos)
+    if rows == 0:
+        report.add(path, "empty_files")
 
 
 _DISAMBIG = re.compile(r"\{\{\s*(disambig[^}|]*|dab|disamb|geodis|hndis|set index[^}|]*|[^}|]*disambiguation)\s*[|}]",
@@ -381,6 +459,8 @@ def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport
                 yield from _read_wiki(path, opts, report, where)
             elif fmt == "jsonl":
                 yield from _read_jsonl(path, opts.text_field, report, opts.encoding, where)
+            elif fmt in ("parquet", "arrow"):
+                yield from _read_table(path, fmt, opts.text_field, report, where)
             else:
                 yield from _read_text(path, fmt, report, opts.encoding, where)
         if where is not None:
