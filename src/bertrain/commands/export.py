@@ -1,6 +1,6 @@
-"""`bertrain export`: a bertrain checkpoint or model folder -> a clean HF folder (no training files), or with
-`--format onnx` an ONNX graph verified against PyTorch (`bertrain.deploy.onnx_export`), optionally laid out as a
-Triton model repository."""
+"""`bertrain export`: a bertrain checkpoint or model folder (or a Hub model id in the local HF cache) -> a clean HF
+folder (no training files) with its model card (README.md, `bertrain.model.card`), or with `--format onnx` an ONNX
+graph verified against PyTorch (`bertrain.deploy.onnx_export`), optionally laid out as a Triton model repository."""
 from __future__ import annotations
 
 import argparse
@@ -10,18 +10,24 @@ from pathlib import Path
 from bertrain.commands.convert import add_overwrite_argument, check_out_dir, write_model_folder
 from bertrain.utils.errors import UserError
 
-HELP = ("export a bertrain checkpoint (or run folder: its latest checkpoint) as a clean Hugging Face model folder, "
-        "or as ONNX (--format onnx)")
+HELP = ("export a bertrain checkpoint (or run folder: its latest checkpoint) as a clean Hugging Face model folder "
+        "with a model card, or as ONNX (--format onnx)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
-                        help="a checkpoint folder (step-N), a model folder, or a run folder holding step-N folders")
+                        help="a checkpoint folder (step-N), a model folder (e.g. a run's final/), a run folder holding "
+                             "step-N folders, or a Hub model id (ORG/NAME) in the local Hugging Face cache")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model folder")
     parser.add_argument("--format", choices=["hf", "onnx"], default="hf",
                         help="hf: an HF model folder; onnx: model.onnx (dynamic batch and sequence axes) + tokenizer "
                              "files + onnx.json, verified against PyTorch on real text (QA, classification/"
                              "regression or encoder models; needs pip install \"bertrain[deploy]\")")
+    parser.add_argument("--license", default=None, metavar="ID",
+                        help="hf: the model card's license, a Hub license id such as apache-2.0 or mit (default: the "
+                             "card says license: other and asks for one; bertrain never picks one)")
+    parser.add_argument("--language", action="append", default=[], metavar="CODE",
+                        help="hf: the model card's language (ISO 639-1, e.g. en); repeat for several")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: 18)")
     parser.add_argument("--triton", action="store_true",
                         help="onnx: write a Triton model repository: OUT_DIR/NAME/config.pbtxt, "
@@ -49,12 +55,17 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.model.hf import model_class_for  # torch: only when run (--help stays instant)
+    from bertrain.model.card import check_language, check_license  # torch: only when run (--help stays instant)
+    from bertrain.model.hf import model_class_for, resolve_model_dir
 
     from bertrain.utils.rundir import OutputLock
 
     if args.format != "onnx" and (args.triton or args.name or args.opset):
         raise UserError("--triton, --name and --opset are options of --format onnx")
+    if args.format == "onnx" and (args.license or args.language):
+        raise UserError("--license and --language go into the model card of --format hf; an ONNX folder has none")
+    license = check_license(args.license) if args.license else None
+    language = [check_language(code) for code in args.language]
     if args.name and not args.triton:
         raise UserError("--name names the model in a Triton repository: give it with --triton")
     if args.opset is not None and args.opset < 18:
@@ -63,14 +74,44 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     with OutputLock(out, "export"):
         check_out_dir(out, args.overwrite)
-        src = resolve_checkpoint(Path(args.checkpoint_dir))
+        src = resolve_checkpoint(resolve_model_dir(args.checkpoint_dir))
         cls = model_class_for(src)
         model = cls.from_pretrained(src)
         if args.format == "onnx":
             return _export_onnx(model, src, out, args)
-        write_model_folder(model, out, "export")
-    print(f"exported {src} -> {out} ({cls.__name__}, {model.num_parameters():,} parameters)")
+        card = model_card(model, src, out, license, language, source=args.checkpoint_dir)
+        write_model_folder(WithCard(model, card), out, "export")
+    print(f"exported {src} -> {out} ({cls.__name__}, {model.num_parameters():,} parameters; model card "
+          f"{out / 'README.md'}, license: {license or 'other (not set: see the card)'})")
     return 0
+
+
+def model_card(model, src: Path, out: Path, license: str | None, language: list[str], source: str) -> str:
+    """The README.md of the exported folder: the source's own bertrain card (final/ has one) with the license and
+    language given here; else one written from the run folder the source sits in (a step-N or best/ folder), or,
+    outside a run, one that says what was exported."""
+    from bertrain.model.card import README, is_bertrain_card, relicense, render, run_facts
+
+    if is_bertrain_card(src / README):
+        text = (src / README).read_text(encoding="utf-8")
+        return relicense(text, license, language) if license or language else text
+    run = src.parent if (src.parent / "config.yaml").is_file() else None
+    facts = run_facts(src, run, out.resolve().name, final=src.name == "final", license=license, language=language,
+                      source=source)
+    return render(facts, model)
+
+
+class WithCard:
+    """A model whose `save_pretrained` also writes its model card (for `write_model_folder`'s atomic folder)."""
+
+    def __init__(self, model, card: str) -> None:
+        self.model, self.card = model, card
+
+    def save_pretrained(self, path: Path) -> None:
+        from bertrain.model.card import write_card
+
+        self.model.save_pretrained(path)
+        write_card(path, self.card)
 
 
 def _export_onnx(model, src: Path, out: Path, args: argparse.Namespace) -> int:

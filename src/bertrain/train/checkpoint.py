@@ -9,6 +9,8 @@ returns the newest folder that is complete and whose checksums match, reporting 
 
 Under `parallelism.strategy: fsdp` the weights and optimizer state are sharded instead (`dcp/`, every rank writes
 its own part: `train/dcp.py`), with the same manifest, marker and checks.
+
+`export_final` writes OUTPUT/final: the model alone (HF format, task.json for a fine-tuned one) and its model card.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bertrain.config import save_config
+from bertrain.model.bert import BertPreTrainedModel
+from bertrain.model.card import CardFacts, launched_command, render, run_facts, write_card
 from bertrain.utils.io import atomic_dir, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -88,13 +92,20 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_s
     return target
 
 
-def export_final(output_dir: str | Path, model: nn.Module, extra_json: dict[str, Any] | None = None) -> Path:
-    """Rank 0: the final model in HF format (plus small JSON files such as task.json) in OUTPUT/final, atomically."""
+def export_final(output_dir: str | Path, model: nn.Module, extra_json: dict[str, Any] | None = None,
+                 card: CardFacts | None = None) -> Path:
+    """Rank 0: the final model in HF format (plus small JSON files such as task.json) in OUTPUT/final, atomically,
+    with its model card (README.md, `bertrain.model.card`): from `card`, else from the run's files in OUTPUT
+    (config.yaml, eval_results.json and metrics.jsonl as they are when this is called)."""
     final = Path(output_dir) / "final"
     with atomic_dir(final, overwrite=True) as tmp:
         save_model(model, tmp)
         for name, data in (extra_json or {}).items():
             atomic_write_json(tmp / name, data)
+        if isinstance(model, BertPreTrainedModel):
+            facts = card or run_facts(tmp, output_dir, Path(output_dir).resolve().name, final=True, in_run=True,
+                                      launched=launched_command())
+            write_card(tmp, render(facts, model))
     log.info("exported the final model in HF format to %s", final)
     return final
 
