@@ -1,8 +1,22 @@
-"""GLUE: the nine tasks' TSV layouts, label sets, features and the GLUE-server submission format.
+"""GLUE: the nine tasks' layouts (TSV, the Hub's Parquet, `datasets` folders), label sets, features and the
+GLUE-server submission format.
 
-Column indices are those of the GLUE distribution (and of HF's `glue` processors). Files are read as UTF-8 with
-an optional byte-order mark (MRPC's train/dev start with one) and with `csv.QUOTE_NONE`: GLUE sentences contain
-unbalanced double quotes that a quoting reader would merge across lines.
+`read_split` reads a task folder in any of three layouts, detected from what is in it (`glue_layout`):
+
+* the GLUE distribution's TSV files (`train.tsv`, `dev.tsv`, `test.tsv`; MNLI's `dev_matched.tsv`, ...). Column
+  indices are those of the GLUE distribution (and of HF's `glue` processors). Files are read as UTF-8 with an
+  optional byte-order mark (MRPC's train/dev start with one) and with `csv.QUOTE_NONE`: GLUE sentences contain
+  unbalanced double quotes that a quoting reader would merge across lines.
+* the Hugging Face Hub's Parquet files (nyu-mll/glue: `<task>/{train,validation,test}-*.parquet`, MNLI's
+  `validation_matched`, `validation_mismatched`, `test_matched`, `test_mismatched`), columns as `HUB_COLUMNS`
+  names them plus `label` (a class id, -1 in test splits) and `idx`;
+* a `datasets` folder (`DatasetDict.save_to_disk`) with those splits and columns.
+
+The data folder may also be the folder above the task's (the Hub repository, or the GLUE root with `MRPC/`). Class
+ids are mapped to the TSV label strings (`HubColumns.tsv_labels`) that the metrics, the dev predictions and the
+GLUE-server submission files use, so every layout gives the same examples; where a file names its ClassLabel
+classes they are checked against the Hub's. Parquet and Arrow are read through `bertrain.data.tables` (pyarrow,
+from the `data` extra, imported only then).
 """
 from __future__ import annotations
 
@@ -15,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bertrain.data.tables import Table, dataset_splits, hub_split_files, hub_splits, split_files
 from bertrain.tasks.common import TaskTokenizer
 from bertrain.utils.io import atomic_write_text
 
@@ -147,16 +162,163 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
     return examples
 
 
-def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[tuple[str, list[GlueExample]]]:
-    """[(split name, examples)] for 'train', 'dev' (two for MNLI: matched and mismatched) or 'test'."""
-    data_dir = Path(data_dir)
+# ----------------------------------------------------------------------------------------------- the Hub's layout
+
+@dataclass(frozen=True)
+class HubColumns:
+    """A task in the Hub's GLUE (nyu-mll/glue): its text columns, and per class id its ClassLabel name there and
+    the TSV label it stands for (None: regression, a float label)."""
+
+    text_a: str
+    text_b: str | None
+    class_names: tuple[str, ...] | None
+    tsv_labels: tuple[str, ...] | None
+
+
+HUB_COLUMNS: dict[str, HubColumns] = {
+    "cola": HubColumns("sentence", None, ("unacceptable", "acceptable"), ("0", "1")),
+    "sst2": HubColumns("sentence", None, ("negative", "positive"), ("0", "1")),
+    "mrpc": HubColumns("sentence1", "sentence2", ("not_equivalent", "equivalent"), ("0", "1")),
+    "stsb": HubColumns("sentence1", "sentence2", None, None),
+    "qqp": HubColumns("question1", "question2", ("not_duplicate", "duplicate"), ("0", "1")),
+    "mnli": HubColumns("premise", "hypothesis", ("entailment", "neutral", "contradiction"),
+                       ("entailment", "neutral", "contradiction")),
+    "qnli": HubColumns("question", "sentence", ("entailment", "not_entailment"), ("entailment", "not_entailment")),
+    "rte": HubColumns("sentence1", "sentence2", ("entailment", "not_entailment"), ("entailment", "not_entailment")),
+    "wnli": HubColumns("sentence1", "sentence2", ("not_entailment", "entailment"), ("0", "1")),
+}
+
+# The Hub's split for each file of the GLUE distribution.
+HUB_SPLITS = {"train.tsv": "train", "dev.tsv": "validation", "test.tsv": "test",
+              "dev_matched.tsv": "validation_matched", "dev_mismatched.tsv": "validation_mismatched",
+              "test_matched.tsv": "test_matched", "test_mismatched.tsv": "test_mismatched"}
+
+
+def _split_files(task: GlueTask, split: str) -> list[tuple[str, str, Layout]]:
+    """[(split name, TSV file name, TSV layout)] of 'train', 'dev' or 'test'."""
     if split == "train":
-        return [("train", read_glue_tsv(data_dir / "train.tsv", task, task.train))]
+        return [("train", "train.tsv", task.train)]
     if split == "dev":
-        return [(name, read_glue_tsv(data_dir / fn, task, task.dev)) for name, fn in task.dev_files]
+        return [(name, fn, task.dev) for name, fn in task.dev_files]
     if split == "test":
-        return [(name, read_glue_tsv(data_dir / fn, task, task.test)) for name, fn in task.test_files]
+        return [(name, fn, task.test) for name, fn in task.test_files]
     raise ValueError(f"unknown split {split!r}")
+
+
+def glue_layout(data_dir: str | os.PathLike, task: GlueTask) -> tuple[str, Path]:
+    """("tsv" | "parquet" | "datasets", the task's folder): the layout of `data_dir`, or of its sub-folder named
+    after the task (the Hub's `mrpc/`, GLUE's `MRPC/`). A folder with none of them is read as TSV (whose reader
+    says which file is missing)."""
+    data_dir = Path(data_dir)
+    tsv = [fn for _, fn, _ in _split_files(task, "train") + _split_files(task, "dev") + _split_files(task, "test")]
+    for d in (data_dir, data_dir / task.name, data_dir / task.folder):
+        if not d.is_dir():
+            continue
+        if any((d / fn).is_file() for fn in tsv):
+            return "tsv", d
+        if dataset_splits(d) is not None:
+            return "datasets", d
+        if any(p.is_file() for p in d.glob("*.parquet")):
+            return "parquet", d
+    return "tsv", data_dir
+
+
+def has_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> bool:
+    """Whether `data_dir` holds every file of `split` ('train', 'dev', 'test') in its layout."""
+    layout, d = glue_layout(data_dir, task)
+    hub = [HUB_SPLITS[fn] for _, fn, _ in _split_files(task, split)]
+    if layout == "tsv":
+        return all((d / fn).is_file() for _, fn, _ in _split_files(task, split))
+    if layout == "datasets":
+        return all(s in (dataset_splits(d) or []) for s in hub)
+    return all(hub_split_files(d, s) for s in hub)
+
+
+def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[tuple[str, list[GlueExample]]]:
+    """[(split name, examples)] for 'train', 'dev' (two for MNLI: matched and mismatched) or 'test', from the
+    layout `glue_layout` finds in `data_dir`: the same examples from each layout of the same rows."""
+    layout, d = glue_layout(data_dir, task)
+    out = []
+    for name, fn, tsv_layout in _split_files(task, split):
+        hub = HUB_SPLITS[fn]
+        if layout == "tsv":
+            if not (d / fn).is_file():
+                raise ValueError(f"{task.name}: data file {d / fn} does not exist (nor the Hub's layout in {d}: "
+                                 f"{hub}-*.parquet files or a `datasets` folder with a {hub!r} split)")
+            out.append((name, read_glue_tsv(d / fn, task, tsv_layout)))
+            continue
+        if layout == "datasets":
+            files, fmt = split_files(d, hub), "arrow"
+        else:
+            files, fmt = hub_split_files(d, hub), "parquet"
+            if not files:
+                raise ValueError(f"{task.name}: {d} has no {hub}-*.parquet file (the Hub's {split} split); its "
+                                 f"Parquet files are of the splits {', '.join(hub_splits(d))}")
+        out.append((name, read_glue_table(files, fmt, task, labelled=tsv_layout.label is not None)))
+    return out
+
+
+def read_glue_table(files: list[Path], fmt: str, task: GlueTask, labelled: bool) -> list[GlueExample]:
+    """The examples of one split in the Hub's columns (`HUB_COLUMNS`, `label`, `idx`), from Parquet or Arrow
+    files in order. A missing column or another type is a `ValueError` naming the file, the column and what was
+    expected; a bad row (an empty sentence, a class id out of range, -1 where labels are needed) names the file
+    and the row. Test splits (`labelled` False) ignore their label column (-1 on the Hub)."""
+    cols = HUB_COLUMNS[task.name]
+    texts = [c for c in (cols.text_a, cols.text_b) if c is not None]
+    examples: list[GlueExample] = []
+    for path in files:
+        with Table(path, fmt) as t:
+            for c in texts:
+                t.column(c, "string", hint=f"the Hub's {task.name} has {', '.join(texts)}, label, idx")
+            want = list(texts)
+            if labelled:
+                t.column("label", "number" if task.is_regression else "label")
+                names = t.class_names("label")
+                if names is not None and cols.class_names is not None and tuple(names) != cols.class_names:
+                    raise ValueError(f"{path}: column 'label' has the classes {names}, expected {task.name}'s "
+                                     f"{list(cols.class_names)} (in this order)")
+                want.append("label")
+            has_idx = t.has("idx")
+            if has_idx:
+                t.column("idx", "integer")
+                want.append("idx")
+            float32 = labelled and task.is_regression and str(t.schema.field("label").type) in ("float", "halffloat")
+            data = t.read(want)
+        for row in range(len(data[cols.text_a])):
+            where = f"{path}: row {row}"
+            text_a = data[cols.text_a][row]
+            text_b = data[cols.text_b][row] if cols.text_b is not None else None
+            if not text_a or not text_a.strip() or (cols.text_b is not None and (not text_b or not text_b.strip())):
+                raise ValueError(f"{where}: empty sentence")
+            label = _hub_label(task, data["label"][row], where, float32) if labelled else None
+            if has_idx and data["idx"][row] is None:
+                raise ValueError(f"{where}: column 'idx' is empty, expected the example's id")
+            index = str(data["idx"][row]) if has_idx else str(len(examples))
+            examples.append(GlueExample(where, text_a, text_b, label, index))
+    if not examples:
+        raise ValueError(f"{', '.join(map(str, files))}: no examples")
+    return examples
+
+
+def _hub_label(task: GlueTask, value: object, where: str, float32: bool) -> str | float:
+    """A label of the Hub's columns as the TSV reader gives it: the TSV label string of a class id (or a TSV label
+    string itself), a float for STS-B (a float32 read as the decimal it was written as, as the TSV has it)."""
+    cols = HUB_COLUMNS[task.name]
+    if task.is_regression:
+        if value is None or value != value:  # None or NaN
+            raise ValueError(f"{where}: column 'label' is empty, expected a similarity score")
+        return float(str(np.float32(value))) if float32 else float(value)  # type: ignore[arg-type]
+    assert cols.tsv_labels is not None
+    if isinstance(value, str):
+        if value not in task.labels:  # type: ignore[operator]
+            raise ValueError(f"{where}: column 'label' is {value!r}, not one of {task.name}'s labels "
+                             f"{list(task.labels)}")  # type: ignore[arg-type]
+        return value
+    if not isinstance(value, int) or not 0 <= value < len(cols.tsv_labels):
+        raise ValueError(f"{where}: column 'label' is {value!r}, expected a class id 0..{len(cols.tsv_labels) - 1} "
+                         f"({', '.join(f'{i} {n}' for i, n in enumerate(cols.class_names or ()))})"
+                         + (" (-1 marks a test row without a label)" if value == -1 else ""))
+    return cols.tsv_labels[value]
 
 
 def build_features(examples: list[GlueExample], task: GlueTask, tok: TaskTokenizer,

@@ -6,6 +6,13 @@ tokens whose starts are `doc_stride` tokens apart; each window is `[CLS] questio
 token that appears in several windows is scored only in the window where it has the most context on both sides
 (`token_is_max_context`). Character offsets of the fast tokenizer map answers between characters and tokens both
 ways, so predictions are exact substrings of the original context (no whitespace-token heuristics needed).
+
+A SQuAD split is read from the official JSON file, or in the Hugging Face Hub's layout (`squad_layout`): Parquet
+files (`plain_text/validation-00000-of-00001.parquet`, a folder holding one split's files) or a `datasets` folder
+(`save_to_disk` of one split), one row per question with the columns id, title, context, question and answers
+(struct of lists text / answer_start). Rows become the JSON's nesting again (`squad_json_from_table`: consecutive
+rows with the same title form an article, with the same context a paragraph; v2.0 when a question has no answer),
+so the reader's checks, the question ids of the predictions and the official metrics are those of the JSON file.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bertrain.data.tables import Table, dataset_files, dataset_splits, hub_split_files, hub_splits
 from bertrain.tasks.common import TaskTokenizer, default_cache_dir, file_sha256
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json
 
@@ -53,15 +61,100 @@ def load_json(path: Path) -> Any:
         raise ValueError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
+def squad_layout(path: str | os.PathLike) -> tuple[str, list[Path]]:
+    """("json" | "parquet" | "arrow", the files) of a SQuAD split: a JSON file, a Parquet or Arrow file, a folder of
+    one split's Parquet files, or a `datasets` folder of one split. A folder that holds several splits is a
+    `ValueError` naming them and what to give instead."""
+    p = Path(path)
+    if p.is_dir():
+        files = dataset_files(p)
+        if files is not None:
+            return "arrow", files
+        splits = dataset_splits(p)
+        if splits is not None:
+            raise ValueError(f"{p} is a `datasets` DatasetDict folder with the splits {', '.join(splits)}: give the "
+                             f"folder of one split, e.g. {p / splits[0]}")
+        parquet = sorted(f for f in p.glob("*.parquet") if f.is_file())
+        if not parquet:
+            raise ValueError(f"{p}: no SQuAD data in this folder (expected a `datasets` folder or one split's "
+                             "Parquet files; or give the JSON file)")
+        names = hub_splits(p)
+        if len(names) > 1:
+            raise ValueError(f"{p} holds the Parquet files of the splits {', '.join(names)}: give one split's "
+                             f"file, e.g. {hub_split_files(p, names[-1])[0]}")
+        return "parquet", parquet
+    suffix = p.suffix.lower()
+    return ("parquet" if suffix == ".parquet" else "arrow" if suffix == ".arrow" else "json"), [p]
+
+
+_HUB_SQUAD = "the Hub's SQuAD has id, title, context, question, answers"
+
+
+def squad_json_from_table(files: list[Path], fmt: str) -> dict[str, Any]:
+    """The SQuAD JSON structure of the Hub's rows (one per question, in order): consecutive rows with the same
+    title form an article, those with the same context a paragraph; with any question without an answer it is v2.0
+    (every question gets `is_impossible`). A missing column or another type is a `ValueError` naming the file, the
+    column and what was expected; the rows themselves are checked by `read_squad`, naming the question id."""
+    articles: list[dict[str, Any]] = []
+    unanswerable = False
+    for path in files:
+        with Table(path, fmt) as t:
+            for c in ("id", "context", "question"):
+                t.column(c, "string", hint=_HUB_SQUAD)
+            cols = ["id", "context", "question", "answers"]
+            t.column("answers", "answers", hint=_HUB_SQUAD)
+            if t.has("title"):
+                t.column("title", "string", hint=_HUB_SQUAD)
+                cols.append("title")
+            data = t.read(cols)
+        for row, qid in enumerate(data["id"]):
+            answers = _hub_answers(data["answers"][row], f"{path}: row {row} (question id {qid})")
+            unanswerable = unanswerable or not answers
+            title = (data["title"][row] if "title" in data else None) or ""
+            context = data["context"][row]
+            if not articles or articles[-1]["title"] != title:
+                articles.append({"title": title, "paragraphs": []})
+            paragraphs = articles[-1]["paragraphs"]
+            if not paragraphs or paragraphs[-1]["context"] != context:
+                paragraphs.append({"context": context, "qas": []})
+            paragraphs[-1]["qas"].append({"id": qid, "question": data["question"][row], "answers": answers})
+    if unanswerable:
+        for article in articles:
+            for para in article["paragraphs"]:
+                for qa in para["qas"]:
+                    qa["is_impossible"] = not qa["answers"]
+    return {"version": "v2.0" if unanswerable else "1.1", "data": articles}
+
+
+def _hub_answers(value: Any, where: str) -> list[dict[str, Any]]:
+    """[{"text", "answer_start"}] of one row's `answers`: the Hub's struct of two lists, or a list of structs."""
+    if value is None:
+        raise ValueError(f"{where}: column 'answers' is empty (null), expected text and answer_start lists (empty "
+                         "lists for an unanswerable question)")
+    if isinstance(value, dict):
+        texts, starts = value.get("text") or [], value.get("answer_start") or []
+        if len(texts) != len(starts):
+            raise ValueError(f"{where}: column 'answers' has {len(texts)} texts and {len(starts)} answer_starts, "
+                             "expected one answer_start per text")
+        return [{"text": t, "answer_start": a} for t, a in zip(texts, starts)]
+    return [dict(a) for a in value]
+
+
+def _load_squad(path: Path) -> Any:
+    """The parsed JSON of a SQuAD split in any layout (`squad_layout`)."""
+    fmt, files = squad_layout(path)
+    return load_json(path) if fmt == "json" else squad_json_from_table(files, fmt)
+
+
 def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = None) -> list[SquadExample]:
-    """Read and validate a SQuAD JSON file.
+    """Read and validate a SQuAD split: a JSON file, or the Hub's Parquet / a `datasets` folder (`squad_layout`).
 
     Every answer must sit at its `answer_start` (checked character by character); contexts, questions and ids
     must be non-empty and ids unique. Problems raise `ValueError` naming the file and the question id.
     `version_2_with_negative=False` rejects unanswerable questions; None accepts both versions.
     """
     path = Path(path)
-    data = load_json(path)
+    data = _load_squad(path)
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
     examples: list[SquadExample] = []
@@ -238,6 +331,14 @@ def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadF
     return feats
 
 
+def _data_sha256(path: str | os.PathLike) -> str:
+    """The content hash of a SQuAD split: its file's, or (a folder) that of its files' hashes in order."""
+    _, files = squad_layout(path)
+    if len(files) == 1 and files[0] == Path(path):
+        return file_sha256(path)
+    return hashlib.sha256(json.dumps([[f.name, file_sha256(f)] for f in files]).encode()).hexdigest()
+
+
 def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExample], tok: TaskTokenizer,
                            cfg: SquadFeatureConfig, is_training: bool,
                            cache_dir: str | os.PathLike | None = None) -> tuple[SquadFeatures, Path | None]:
@@ -250,7 +351,7 @@ def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExa
         return build_features(examples, tok, cfg, is_training), None
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = hashlib.sha256(json.dumps({
-        "data": file_sha256(data_file), "tokenizer": tok.identity, "max_seq_length": cfg.max_seq_length,
+        "data": _data_sha256(data_file), "tokenizer": tok.identity, "max_seq_length": cfg.max_seq_length,
         "doc_stride": cfg.doc_stride, "max_query_length": cfg.max_query_length, "training": is_training,
         "n_examples": len(examples), "version": FEATURE_VERSION,
     }, sort_keys=True).encode()).hexdigest()[:24]
@@ -385,8 +486,9 @@ def write_prediction_files(output_dir: str | os.PathLike, predictions: dict[str,
 
 
 def load_dataset_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The raw parsed SQuAD file (for the official evaluation), with a clear error on malformed JSON."""
-    data = load_json(Path(path))
+    """The raw parsed SQuAD file (for the official evaluation), with a clear error on malformed JSON; the Hub's
+    layouts (`squad_layout`) give the JSON structure of their rows."""
+    data = _load_squad(Path(path))
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
     return data
