@@ -67,6 +67,13 @@ def test_default_recipe_compares_pretrained_with_random_init_over_seeds():
     stages = {s.name: s for s in build_stages(recipe)}
     assert stages["pretrain-phase1"].config.sample.max_seq_length == 128
     assert stages["pretrain-phase2"].config.sample.max_seq_length > 128
+    # held-out curves: a held-out set the corpus's 79 documents allow, evaluated while pretraining
+    prep = stages["prepare"].config
+    assert (prep.heldout_fraction, prep.heldout_min_documents) == (0.05, 4)
+    assert all(stages[f"pretrain-phase{p}"].config.eval.interval > 0 for p in (1, 2))
+    # the dev set is scored by the verdict, so it does not also choose each run's final model
+    ft = stages["finetune-pydoc-topics-pretrained-s1"].config
+    assert (ft.eval.final, ft.eval.each_epoch) == ("last", True)
 
 
 def write(tmp_path: Path, data: dict) -> Path:

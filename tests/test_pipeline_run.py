@@ -89,11 +89,22 @@ def test_every_stage_completes_with_results_of_both_inits_and_a_report(straight)
     for text in (page, md):
         assert "pretrained: mean ± sd" in text and "majority class" in text and "pretrain-phase2" in text
         assert "torch" in text and "phase1:" in text  # versions and the recipe
-    assert page.count("<svg") == 3  # the results and both phases' curves, inline
+    assert page.count("<svg") == 4  # the results, both phases' curves and the fine-tuning curves, inline
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # self-contained: nothing to fetch
     assert "<script" not in page
-    for name in ("results-pydoc-topics.svg", "curves-pretrain-phase1.svg", "curves-pretrain-phase2.svg"):
+    for name in ("results-pydoc-topics.svg", "curves-pretrain-phase1.svg", "curves-pretrain-phase2.svg",
+                 "finetune-pydoc-topics.svg"):
         assert f"]({name})" in md and (straight / "report" / name).is_file()
+    # the held-out curves beside the training ones (the recipe holds documents out), the dev curves of every run
+    for phase, steps in (("pretrain-phase1", 30), ("pretrain-phase2", 6)):
+        evals = [r for r in map(json.loads, (straight / phase / "metrics.jsonl").read_text().splitlines())
+                 if r.get("event") == "eval"]
+        assert evals[-1]["step"] == steps and 0 < evals[-1]["metrics"]["mlm_acc"] < 1  # always after the last step
+        assert "held-out" in (straight / "report" / f"curves-{phase}.svg").read_text()
+    dev_svg = (straight / "report" / "finetune-pydoc-topics.svg").read_text()
+    assert "dev accuracy" in dev_svg and "random seed 2" in dev_svg
+    # the recipe keeps each run's last model: the report says the dev set did not choose it
+    assert "each run ends with its last model (eval.final: last)" in md
 
 
 def test_a_second_run_skips_everything_and_a_change_redoes_what_follows_it(straight):

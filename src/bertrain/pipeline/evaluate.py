@@ -5,7 +5,9 @@ chance level).
 
 The scores themselves come from the fine-tuning stages (`run_glue` / `run_squad` score the dev set with the
 official metrics and write eval_results.json); this stage only collects them, so its results.json is the same
-bytes whenever the runs are (no timings in it).
+bytes whenever the runs are (no timings in it). It also records how the dev set was used to select: each task's
+search (every trial, the chosen settings: `bertrain.pipeline.search`) and whether each run's final model is its
+best dev evaluation (eval.final: best), since either makes the dev scores optimistic.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bertrain.pipeline.recipe import Recipe
+from bertrain.pipeline import search
+from bertrain.pipeline.recipe import Recipe, TaskSection
 from bertrain.pipeline.verdict import decide
 from bertrain.tasks.glue import get_task
 from bertrain.tasks.metrics import PRIMARY_METRIC
@@ -94,6 +97,21 @@ def _chance(metric: str, task: str, split: str, majority: float | None, results:
     return _positive_class_f1(out_dir / f"{split}_predictions.tsv", get_task(task).labels[1]), "always positive"
 
 
+def search_summary(task: TaskSection, run_dir: Path) -> dict[str, Any] | None:
+    """Each initialisation's trials (settings, dev curve and value, pruned or not) and the settings chosen."""
+    if task.search is None:
+        return None
+    by_init = {}
+    for init in ("pretrained", "random") if task.random_init else ("pretrained",):
+        trials = [json.loads((run_dir / search.trial_stage_name(task.name, init, k) / search.TRIAL_FILE)
+                             .read_text(encoding="utf-8")) for k in range(1, search.n_trials(task.search) + 1)]
+        best = search.best_trial(trials, trials[0]["maximise"])
+        by_init[init] = {"metric": best["metric"], "maximise": best["maximise"], "seed": best["seed"],
+                         "chosen": best["trial"], "params": best["params"], "value": best["value"], "trials": trials}
+    return {"method": "grid" if task.search.grid else f"optuna {task.search.optuna.sampler}",
+            "pruner": task.search.pruner.name, "keys": search.search_keys(task.search), "by_init": by_init}
+
+
 def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     """results.json of the evaluate stage (see the module docstring)."""
     tasks = []
@@ -101,6 +119,7 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
         per: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
         baselines: dict[str, float] = {}
         examples: dict[str, int] = {}
+        final_model: dict[str, Any] | None = None  # how each run chose its final model (the same for every run)
         inits = ("pretrained", "random") if task.random_init else ("pretrained",)
         for init in inits:
             for seed in task.seeds:
@@ -108,6 +127,8 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
                 results = json.loads(path.read_text(encoding="utf-8"))
                 task_name = "squad" if task.kind == "squad" else results["task"]
                 dev_counts = results  # what every run of the task shares: SQuAD v2.0's count of unanswerables
+                if "selection" in results:
+                    final_model = {k: results["selection"][k] for k in ("metric", "final")}
                 for key, value in _scores(task.kind, results).items():
                     per.setdefault(key, {}).setdefault(init, {})[str(seed)] = value
                 for split, m in results.items():
@@ -138,5 +159,5 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
                            points_per_unit=1.0 if task.kind == "squad" else 100.0)
                 verdicts.append({"split": m["split"], "metric": m["metric"], **dataclasses.asdict(v)})
         tasks.append({"name": task.name, "kind": task.kind, "seeds": list(task.seeds), "metrics": metrics,
-                      "verdicts": verdicts})
+                      "verdicts": verdicts, "final_model": final_model, "search": search_summary(task, run_dir)})
     return {"tasks": tasks}

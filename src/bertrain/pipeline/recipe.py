@@ -6,6 +6,7 @@ sections are the keys of the commands that run them, so nothing is spelled twice
     data.prepare            keys of `bertrain prepare`          (bertrain.data.prepare.PrepareConfig)
     pretrain, phase1/2      keys of `bertrain pretrain`         (PretrainConfig; a phase's keys win over pretrain's)
     finetune[i].config      keys of `bertrain finetune glue|squad` (GlueFinetuneConfig / SquadFinetuneConfig)
+    finetune[i].search      dotted keys of the same, searched on the dev set (bertrain.pipeline.search)
 
 `load_recipe` is strict: the recipe's own keys are checked by `bertrain.config.from_dict`, and every engine
 config a stage will run is built (and so validated by the engine's own checks) before any work starts. An error
@@ -28,6 +29,7 @@ from bertrain.config import (deep_merge, flatten, from_dict, load_config, load_f
 from bertrain.data.prepare import PrepareConfig
 from bertrain.data.readers import CorpusConfig
 from bertrain.pipeline.downstream import TASK_NAME
+from bertrain.pipeline.search import SearchSection, check_search, parse_search
 from bertrain.tasks.finetune import GlueFinetuneConfig, SquadFinetuneConfig
 from bertrain.tasks.pretraining import PretrainConfig
 from bertrain.train.config import DistributedConfig
@@ -77,6 +79,10 @@ class TaskSection:
     """Re-initialise the pretrained pooler (the [CLS] projection that NSP trained, which a new task must first
     unlearn) before fine-tuning, as Zhang et al. 2021 ("Revisiting few-sample BERT fine-tuning") advise for small
     data; a random-init model has a fresh pooler anyway, so the two then differ only in the encoder."""
+    search: Optional[SearchSection] = None
+    """Choose fine-tuning settings on the dev set first (a grid, or an Optuna search with an optional pruner; see
+    bertrain.pipeline.search): trials on the first seed, for each initialisation separately, then every seed runs
+    with the settings its initialisation chose."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name or ""):
@@ -127,6 +133,9 @@ class Recipe:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"config key 'finetune': task name(s) {', '.join(dup)} used twice")
+        for i, task in enumerate(self.finetune):
+            if task.search is not None:
+                check_search(task.search, f"finetune[{i}].search")
 
     @property
     def run_dir(self) -> Path:
@@ -234,7 +243,10 @@ def check_process_group(group: DistributedConfig, stages: list[tuple[str, Distri
 
 
 def finetune_config(recipe: Recipe, index: int, init: Path, output_dir: Path, seed: int,
-                    task_data_dir: Path | None) -> GlueFinetuneConfig | SquadFinetuneConfig:
+                    task_data_dir: Path | None, params: dict[str, Any] | None = None,
+                    params_key: str = "") -> GlueFinetuneConfig | SquadFinetuneConfig:
+    """Task `index`'s engine config; `params` (dotted keys, e.g. a search trial's settings, set by the recipe key
+    `params_key`) win over the task's config."""
     t = recipe.finetune[index]
     where = f"finetune[{index}].config"
     _refuse_pipeline_keys(t.config, PIPELINE_FINETUNE_KEYS, where, "the pretrained model, the stage folder and "
@@ -245,7 +257,13 @@ def finetune_config(recipe: Recipe, index: int, init: Path, output_dir: Path, se
         _refuse_pipeline_keys(t.config, ("data.task", "data.data_dir"), where, "the built-in task's data stage")
         pipeline["data"] = {"task": TASK_NAME, "data_dir": str(task_data_dir), "predict_test": False}
     cls = SquadFinetuneConfig if t.kind == "squad" else GlueFinetuneConfig
-    return engine_config(cls, [(where, t.config)], pipeline)
+    sections = [(where, t.config)]
+    if params:
+        nested: dict[str, Any] = {}
+        for key, value in params.items():
+            set_dotted(nested, key, value)
+        sections.append((params_key, nested))
+    return engine_config(cls, sections, pipeline)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -279,6 +297,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     the stages are built (`bertrain.pipeline.stages.build_stages`), both before any work."""
     data = apply_overrides(load_file(path), list(overrides or []))
     try:
+        for i, task in enumerate(data.get("finetune") or []):
+            if isinstance(task, dict) and task.get("search") is not None:
+                # first on its own: from_dict reports an error inside an Optional section without its key
+                parse_search(task["search"], f"finetune[{i}].search")
         return from_dict(Recipe, data)
     except ValueError as e:
         message = str(e).replace("config key", "recipe key")

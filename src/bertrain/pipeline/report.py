@@ -4,9 +4,11 @@ matplotlib SVGs written into the page; report.md shows the same SVG files, saved
 Sections: the verdict (per task, on its primary metric: does pretraining help — the difference with its 95% interval
 over seeds, the seeds per side and the chance level; `bertrain.pipeline.verdict`), the results (each task's dev
 scores from pretrained and from random weights, mean +- spread over seeds, the majority baseline, the BERT paper's
-figure where one exists), the stages (wall time, throughput), the pretraining curves of each phase (loss, MLM and
-NSP accuracy, lr, grad norm, loss scale, seq/s), and what it ran on: the exact recipe, package versions and
-hardware.
+figure where one exists), how the dev set was used to select (a search's trials and chosen settings, a final model
+chosen on dev: both make the dev scores optimistic, and the report says so), the stages (wall time, throughput),
+the pretraining curves of each phase (loss, MLM and NSP accuracy on the training batches and on the held-out
+documents, lr, grad norm, loss scale, seq/s), the fine-tuning curves (each run's dev metric and training loss, each
+search trial's dev curve), and what it ran on: the exact recipe, package versions and hardware.
 """
 from __future__ import annotations
 
@@ -24,13 +26,17 @@ from typing import Any
 import yaml
 
 from bertrain.pipeline.recipe import Recipe, recipe_dict
+from bertrain.pipeline.search import describe
 from bertrain.pipeline.verdict import INCONCLUSIVE
 
 CURVES = (("loss", "loss (MLM + NSP)"), ("mlm_acc", "MLM accuracy"), ("nsp_acc", "NSP accuracy"), ("lr", "learning rate"),
           ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("seq_per_s", "sequences / s"))
 PACKAGES = ("bertrain", "torch", "numpy", "tokenizers", "safetensors", "scikit-learn", "scipy", "matplotlib",
-            "PyYAML", "transformers")
+            "PyYAML", "transformers", "optuna")
+# The held-out evaluation's numbers drawn on the panel of the training curve they correspond to.
+HELDOUT = {"loss": ("mlm_loss", "nsp_loss"), "mlm_acc": ("mlm_acc",), "nsp_acc": ("nsp_acc",)}
 INIT_COLOURS = {"pretrained": "#1f77b4", "random": "#d62728"}
+HELDOUT_COLOUR = "#ff7f0e"
 
 
 # ----------------------------------------------------------------------------------------------- facts
@@ -42,18 +48,26 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except ValueError:
             continue  # a line cut by a kill: the rest is still worth plotting
-        if "step" in row and "loss" in row:
-            rows.append(row)
     return rows
+
+
+def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """The training records of a metrics.jsonl."""
+    return [r for r in _jsonl(path) if "step" in r and "loss" in r and r.get("event") is None]
+
+
+def _eval_rows(path: Path) -> list[dict[str, Any]]:
+    """The evaluation records of a metrics.jsonl (held-out or dev: train/evaluation.py)."""
+    return [r for r in _jsonl(path) if r.get("event") == "eval" and isinstance(r.get("metrics"), dict)]
 
 
 def package_versions() -> dict[str, str]:
@@ -148,29 +162,100 @@ def _pyplot():
     return plt
 
 
-def curves_svg(rows: list[dict[str, Any]], title: str) -> str:
+def _line(ax: Any, xs: list[float], ys: list[float], **kw: Any) -> None:
+    """A curve; a short one's few points stay visible as markers."""
+    ax.plot(xs, ys, lw=kw.pop("lw", 1.2), marker=kw.pop("marker", "o" if len(xs) < 20 else None),
+            ms=kw.pop("ms", 3), **kw)
+
+
+def _axes_style(ax: Any, title: str, xlabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+
+
+def curves_svg(rows: list[dict[str, Any]], title: str, evals: list[dict[str, Any]] | None = None,
+               heldout: str = "") -> str:
+    """A pretraining phase's curves: the training records, and beside them on the loss and accuracy panels the
+    held-out evaluations (`evals`; `heldout` says what the held-out set is)."""
     plt = _pyplot()
+    evals = evals or []
     fig, axes = plt.subplots(2, 4, figsize=(13, 5.2))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes.flat, CURVES):
         pts = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+        held = [(e["step"], sum(e["metrics"][k] for k in HELDOUT[key])) for e in evals
+                if key in HELDOUT and all(e["metrics"].get(k) is not None for k in HELDOUT[key])]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, color="#1f77b4",
-                    marker="o" if len(pts) < 20 else None, ms=3)  # a short run's few points stay visible
-        else:
+            _line(ax, [p[0] for p in pts], [p[1] for p in pts], color=INIT_COLOURS["pretrained"],
+                  label="training batches" if held else None)
+        if held:
+            _line(ax, [p[0] for p in held], [p[1] for p in held], color=HELDOUT_COLOUR, marker="s", ms=3.5,
+                  label="held-out")
+            ax.legend(fontsize=7)
+        if not pts and not held:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
+        _axes_style(ax, label, "step")
     last = axes.flat[-1]
     last.axis("off")
     if rows:
         r = rows[-1]
         lines = [f"{title}", f"steps: {r['step']}", f"final loss: {r['loss']:.3f}"]
         lines += [f"final {k}: {r[k]:.3f}" for k in ("mlm_acc", "nsp_acc") if r.get(k) is not None]
-        last.text(0.0, 0.95, "\n".join(lines), va="top", fontsize=10, transform=last.transAxes)
+        if evals:
+            m = evals[-1]["metrics"]
+            lines += [f"held-out at step {evals[-1]['step']}:"] + [f"  {k}: {m[k]:.3f}" for k in
+                                                                  ("mlm_acc", "nsp_acc") if m.get(k) is not None]
+            lines += [heldout] if heldout else []
+        else:
+            lines += ["no held-out evaluation", "(no held-out set, or eval off)"]
+        last.text(0.0, 0.98, "\n".join(lines), va="top", fontsize=9, transform=last.transAxes)
     fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def finetune_curves_svg(task: str, runs: list[dict[str, Any]], trials: list[dict[str, Any]],
+                        chance: float | None, scale: float) -> str:
+    """A task's fine-tuning curves: each run's dev metric (its evaluations) and training loss by step, and each
+    search trial's dev curve by evaluation (pruned ones dashed, the chosen one thick). `runs`/`trials`: label, init,
+    evals, rows (trials: state, chosen)."""
+    plt = _pyplot()
+    metric = next((e["metric"] for r in runs + trials for e in r["evals"]), "dev metric")
+    n = 2 + (1 if trials else 0)
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.8), squeeze=False)
+    dev, loss = axes[0][0], axes[0][1]
+    styles = ["-", "--", ":", "-."]
+    for i, r in enumerate(runs):
+        colour = INIT_COLOURS.get(r["init"], "grey")
+        style = styles[r["index"] % len(styles)]
+        if r["evals"]:
+            _line(dev, [e["step"] for e in r["evals"]], [scale * e["value"] for e in r["evals"]], color=colour,
+                  ls=style, label=r["label"])
+        if r["rows"]:
+            _line(loss, [x["step"] for x in r["rows"]], [x["loss"] for x in r["rows"]], color=colour, ls=style,
+                  label=r["label"], marker=None)
+    if chance is not None:
+        dev.axhline(scale * chance, color="grey", ls="--", lw=1, label="chance")
+    _axes_style(dev, f"{task}: dev {metric}", "step")
+    _axes_style(loss, f"{task}: training loss", "step")
+    for ax in (dev, loss):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if trials:
+        ax = axes[0][2]
+        for t in trials:
+            colour = INIT_COLOURS.get(t["init"], "grey")
+            ys = [scale * e["value"] for e in t["evals"]]
+            _line(ax, list(range(1, len(ys) + 1)), ys, color=colour, lw=2.4 if t["chosen"] else 0.9,
+                  ls="--" if t["state"] == "pruned" else "-", marker="x" if t["state"] == "pruned" else "o",
+                  label=t["label"] if t["chosen"] else None)
+        if chance is not None:
+            ax.axhline(scale * chance, color="grey", ls="--", lw=1)
+        _axes_style(ax, f"search trials: dev {metric} (dashed: pruned)", "evaluation")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     return _svg(fig)
 
@@ -256,6 +341,97 @@ def _verdict(results: dict[str, Any]) -> list[str]:
     return [_verdict_line(task, v) for task in results.get("tasks", []) for v in task.get("verdicts", [])]
 
 
+def _selection_notes(results: dict[str, Any]) -> list[str]:
+    """How each task used its dev set to select, in words: a search, a final model chosen on dev, or neither."""
+    notes = []
+    for task in results.get("tasks", []):
+        fm, sr = task.get("final_model"), task.get("search")
+        if sr:
+            by_init = sr["by_init"]
+            first = next(iter(by_init.values()))
+            chosen = "; ".join(f"from {init} weights {describe(b['params'])} (trial {b['chosen']})"
+                               for init, b in by_init.items())
+            notes.append(f"{task['name']}: the fine-tuning settings were chosen on the dev set ({sr['method']} search "
+                         f"over {', '.join(sr['keys'])}, {len(first['trials'])} trials per initialisation on seed "
+                         f"{first['seed']}, pruner: {sr['pruner']}; each initialisation chose its own): {chosen}. "
+                         "The dev scores of the chosen settings are therefore optimistic — the dev set that scores "
+                         f"them also chose them (seed {first['seed']}'s run repeats the chosen trial); an unbiased "
+                         "figure needs data that took no part in the choice.")
+        if fm and fm["final"] == "best":
+            notes.append(f"{task['name']}: each run ends with its best dev evaluation (eval.final: best, by "
+                         f"{fm['metric']}): the dev set chose the model it then scores, so these dev scores are "
+                         "optimistic.")
+        elif fm:
+            notes.append(f"{task['name']}: each run ends with its last model (eval.final: last): the dev set did not "
+                         "choose it; the dev evaluations while training are shown as curves only.")
+    return notes
+
+
+SEARCH_HEADER = ["trial", "settings", "dev value", "evaluations", "state"]
+
+
+def _search_tables(results: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
+    """(caption, rows) of every trial of each task's search, per initialisation; the chosen trial is marked."""
+    out = []
+    for task in results.get("tasks", []):
+        sr = task.get("search")
+        for init, b in (sr or {}).get("by_init", {}).items():
+            pct = task["kind"] != "squad"
+            rows = []
+            for t in b["trials"]:
+                state = (f"pruned at evaluation {t['pruned']['evaluation']}" if t["state"] == "pruned"
+                         else "complete")
+                rows.append([f"{t['trial']}{' (chosen)' if t['trial'] == b['chosen'] else ''}",
+                             describe(t["params"]), _fmt(t["value"], pct), str(len(t["curve"])), state])
+            best = _fmt(b["value"], pct)
+            out.append((f"{task['name']} from {init} weights: best on dev {b['metric']} {best} with "
+                        f"{describe(b['params'])} (trial {b['chosen']} of {len(b['trials'])}, seed {b['seed']}, "
+                        f"{'higher' if b['maximise'] else 'lower'} is better)", rows))
+    return out
+
+
+def _run_curves(stages: list[Any], task: str, results_task: dict[str, Any] | None) -> tuple[list, list]:
+    """The fine-tuning runs and search trials of `task`, with their evaluations and training records."""
+    runs, trials = [], []
+    seeds_seen: dict[str, int] = {}
+    chosen = {init: b["chosen"] for init, b in
+              ((results_task or {}).get("search") or {}).get("by_init", {}).items()}
+    for s in stages:
+        for prefix, into in ((f"finetune-{task}-", runs), (f"search-{task}-", trials)):
+            if not s.name.startswith(prefix) or s.config is None:
+                continue
+            init, _, tail = s.name[len(prefix):].rpartition("-")
+            metrics = Path(s.config.output_dir) / "metrics.jsonl"
+            entry = {"init": init, "evals": _eval_rows(metrics), "rows": _metrics_rows(metrics)}
+            if into is runs:
+                entry.update(label=f"{init} seed {tail[1:]}", index=seeds_seen.get(init, 0))
+                seeds_seen[init] = seeds_seen.get(init, 0) + 1
+            else:
+                rec = _read_json(s.folder / "trial.json") or {}
+                k = int(tail[1:])
+                entry.update(label=f"{init}: trial {k} (chosen)", state=rec.get("state", "running"),
+                             chosen=chosen.get(init) == k)
+            if entry["evals"] or entry["rows"]:
+                into.append(entry)
+    return runs, trials
+
+
+def _chance_of(results_task: dict[str, Any] | None, metric: str) -> float | None:
+    for v in (results_task or {}).get("verdicts", []):
+        if v["metric"] == metric:
+            return v["chance"]
+    return None
+
+
+def _heldout_note(stage: Any) -> str:
+    """What a pretraining phase's held-out set is (from its prepared store's stats.json)."""
+    stats = _read_json(Path(stage.config.data.prepared) / "stats.json") or {}
+    h = stats.get("heldout") or {}
+    if not h.get("dir"):
+        return ""
+    return f"held-out: {h.get('num_documents')} documents, {h.get('num_tokens'):,} tokens"
+
+
 def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path) -> Path:
     """Write out_dir/report.md, out_dir/report.html and the SVGs report.md shows; returns the HTML path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -277,8 +453,20 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
             rows = _metrics_rows(s.folder / "metrics.jsonl")
             if rows:
                 seq = s.config.sample.max_seq_length
-                figures.append((f"curves-{s.name}", f"Pretraining curves: {s.name} (sequence length {seq})",
-                                curves_svg(rows, f"{s.name}, sequence length {seq}")))
+                figures.append((f"curves-{s.name}", f"Pretraining curves: {s.name} (sequence length {seq}): "
+                                "training batches and held-out documents",
+                                curves_svg(rows, f"{s.name}, sequence length {seq}",
+                                           _eval_rows(s.folder / "metrics.jsonl"), _heldout_note(s))))
+    by_task = {t["name"]: t for t in results.get("tasks", [])}
+    for task in recipe.finetune:
+        runs, trials = _run_curves(stages, task.name, by_task.get(task.name))
+        if runs or trials:
+            metric = next((e["metric"] for r in runs + trials for e in r["evals"]), "")
+            figures.append((f"finetune-{task.name}", f"Fine-tuning curves: {task.name} (dev {metric} at each "
+                            "evaluation, training loss)" + (", and the search's trials" if trials else ""),
+                            finetune_curves_svg(task.name, runs, trials, _chance_of(by_task.get(task.name), metric),
+                                                1.0 if task.kind == "squad" else 100.0)))
+    notes, searches = _selection_notes(results), _search_tables(results)
     versions, hw = package_versions(), hardware()
     recipe_yaml = yaml.safe_dump(recipe_dict(recipe), sort_keys=False)
     verdict = _verdict(results)
@@ -301,8 +489,15 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
         (out_dir / f"{name}.svg").write_text(svg, encoding="utf-8")
         if name.startswith("results-"):
             md += [f"![{caption}]({name}.svg)", ""]
+    if notes:
+        md += ["## How the dev set was used", ""] + [f"- {n}" for n in notes] + [""]
+    for caption, rows in searches:
+        md += [f"### Search: {caption}", "", md_table(SEARCH_HEADER, rows), ""]
     md += ["## Stages", "", md_table(STAGE_HEADER, stage_rows), "", "## Pretraining curves", ""]
     md += [f"![{caption}]({name}.svg)" for name, caption, _ in figures if name.startswith("curves-")] + [""]
+    if any(name.startswith("finetune-") for name, _, _ in figures):
+        md += ["## Fine-tuning curves", ""]
+        md += [f"![{caption}]({name}.svg)" for name, caption, _ in figures if name.startswith("finetune-")] + [""]
     md += ["## Environment", "", md_table(["package", "version"], [[k, v] for k, v in versions.items()]), "",
            md_table(["hardware", ""], [[k, v] for k, v in hw.items()]), "", "## Recipe (resolved)", "", "```yaml",
            recipe_yaml.rstrip(), "```", ""]
@@ -327,9 +522,16 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
         parts += ["<h2>Verdict</h2><ul>" + "".join(f"<li>{e(v)}</li>" for v in verdict) + "</ul>"]
     parts += ["<h2>Fine-tuning results (dev set)</h2>", h_table(RESULT_HEADER, _results_rows(results)),
               "<p class=meta>Accuracy-type metrics in percent. GLUE figures of the BERT paper are test-server "
-              "scores.</p>", fig("results-"),
-              "<h2>Stages</h2>", h_table(STAGE_HEADER, stage_rows), "<h2>Pretraining curves</h2>", fig("curves-"),
-              "<h2>Environment</h2><div class=row>", h_table(["package", "version"], [[k, v] for k, v in versions.items()]),
+              "scores.</p>", fig("results-")]
+    if notes:
+        parts += ["<h2>How the dev set was used</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>"]
+    for caption, rows in searches:
+        parts += [f"<h3>Search: {e(caption)}</h3>", h_table(SEARCH_HEADER, rows)]
+    parts += ["<h2>Stages</h2>", h_table(STAGE_HEADER, stage_rows), "<h2>Pretraining curves</h2>", fig("curves-")]
+    if any(name.startswith("finetune-") for name, _, _ in figures):
+        parts += ["<h2>Fine-tuning curves</h2>", fig("finetune-")]
+    parts += ["<h2>Environment</h2><div class=row>",
+              h_table(["package", "version"], [[k, v] for k, v in versions.items()]),
               h_table(["hardware", ""], [[k, v] for k, v in hw.items()]), "</div>",
               "<h2>Recipe (resolved)</h2>", f"<pre>{e(recipe_yaml)}</pre>"]
     style = ("body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1200px;margin:2em auto;"

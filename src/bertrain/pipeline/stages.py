@@ -1,7 +1,7 @@
 """The stages of `bertrain run`, when each is skipped, resumed or redone, and the loop that runs them.
 
-    vocab -> prepare -> pretrain-phase1 -> pretrain-phase2 -> [data-TASK] -> finetune-TASK-INIT-sSEED ... ->
-    evaluate -> report
+    vocab -> prepare -> pretrain-phase1 -> pretrain-phase2 -> [data-TASK] -> [search-TASK-INIT-tK ...] ->
+    finetune-TASK-INIT-sSEED ... -> evaluate -> report
 
 Each stage owns the folder RUN/NAME. It writes `stage-started.json` (its hash) before any work and `stage.json`
 (hash, output identity, wall time, throughput) last: a folder with `stage.json` is complete.
@@ -17,6 +17,11 @@ stage and every stage after it, and nothing else. A stage is
 * resumed: started with the same hash but not complete (killed, stopped): the engine continues from its newest
   complete checkpoint (`--resume auto`), prepare from its finished shards — bitwise the uninterrupted run on CPU;
 * redone: anything else. A folder with another hash is moved aside to NAME.replaced-<time> first, never deleted.
+
+A task with a `search` (bertrain.pipeline.search) has trial stages before its runs. Some settings are known only
+once earlier stages are done (an Optuna trial's parameters, the settings the trials chose): such a stage has a
+`resolve` that reads them from those stages' outputs when the loop reaches it, so its hash covers the settings it
+really runs with. A dry run shows it as waiting for the search until its trials are complete.
 
 Under torchrun / srun / mpirun every rank runs the loop: rank 0 decides each stage and tells the others;
 engine stages (pretraining, fine-tuning) run on every rank; one-process stages (vocab, prepare, task data,
@@ -48,16 +53,19 @@ from bertrain.data.readers import BUILTIN_PYTHON_DOCS, resolve_inputs
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertForPreTraining
 from bertrain.model.hf import tokenizer_files_from_vocab
-from bertrain.pipeline import downstream, verdict
+from bertrain.pipeline import downstream, search, verdict
 from bertrain.pipeline.evaluate import summarize
-from bertrain.pipeline.recipe import (Recipe, check_process_group, finetune_config, prepare_config, pretrain_config,
-                                     process_group_config, recipe_dict)
+from bertrain.pipeline.recipe import (Recipe, TaskSection, check_process_group, finetune_config, prepare_config,
+                                     pretrain_config, process_group_config, recipe_dict)
 from bertrain.pipeline.report import write_report
 from bertrain.tasks.finetune import run_glue, run_squad
+from bertrain.tasks.glue import get_task
+from bertrain.tasks.metrics import PRIMARY_METRIC
 from bertrain.tasks.pretraining import build_model, run_pretraining
 from bertrain.train.checkpoint import sha256_file
 from bertrain.train.config import resolve_batch
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
+from bertrain.train.evaluation import maximises
 from bertrain.train.launch import launch_env
 from bertrain.train.resume import EXACT_KEYS
 from bertrain.utils.errors import RunStopped, UserError
@@ -133,6 +141,23 @@ class Stage:
     """The engine config (saved as stage-config.yaml beside the outputs)."""
     hash: str = ""
     parts: dict[str, Any] = field(default_factory=dict)
+    resolve: Optional[Callable[["Stage"], tuple[Any, dict[str, Any], str]]] = None
+    """Settings that come from earlier stages' outputs (a search): rank 0 calls it when those stages are done and
+    it returns the stage's (config, settings, what); None once known."""
+    variants: tuple[Any, ...] = ()
+    """Other engine configs the stage may end up running (a search's candidates), checked like `config` first."""
+
+
+def stage_hash(stage: Stage, by_name: dict[str, Stage]) -> None:
+    """The hash chain: the stage's settings, inputs and the hashes of the stages it depends on."""
+    stage.parts = {"settings": stage.settings, "inputs": stage.inputs,
+                   "upstream": {n: by_name[n].hash for n in stage.deps}}
+    stage.hash = _digest(stage.parts)
+
+
+def apply_resolved(stage: Stage, resolved: tuple[Any, dict[str, Any], str]) -> None:
+    stage.config, stage.settings, stage.what = resolved
+    stage.resolve = None
 
 
 def build_stages(recipe: Recipe) -> list[Stage]:
@@ -151,10 +176,9 @@ def build_stages(recipe: Recipe) -> list[Stage]:
         stages.append(evaluate_stage(recipe, finetunes))
     stages.append(report_stage(recipe, stages))
     by_name = {t.name: t for t in stages}
-    for s in stages:  # the hash chain: settings, inputs and the hashes of the stages a stage depends on
+    for s in stages:  # a stage still to resolve has a provisional hash; the loop computes the real one
         s.folder = run / s.name
-        s.parts = {"settings": s.settings, "inputs": s.inputs, "upstream": {n: by_name[n].hash for n in s.deps}}
-        s.hash = _digest(s.parts)
+        stage_hash(s, by_name)
     return stages
 
 
@@ -235,8 +259,8 @@ def _pretrain_summary(out: Path) -> dict[str, Any]:
 
 
 def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: Path) -> list[Stage]:
-    """Task `index`: its data stage (built-in task only), then one fine-tuning run per initialisation (pretrained,
-    and random with `random_init`) and seed."""
+    """Task `index`: its data stage (built-in task only), its search trials (with a `search`), then one fine-tuning
+    run per initialisation (pretrained, and random with `random_init`) and seed."""
     task, run = recipe.finetune[index], recipe.run_dir
     stages: list[Stage] = []
     data_dir = None
@@ -247,33 +271,249 @@ def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: P
                                         "min_chars": downstream.MIN_CHARS},
                             {"python": f"{sys.version.split()[0]} {sys.platform}"},
                             ("data/train.tsv", "data/dev.tsv"), functools.partial(_task_data_work, data_dir)))
-    task_deps = tuple(s.name for s in stages)
-    task_inputs: dict[str, str] = {}
-    arch_cfg = pretrained.config  # the architecture a random initialisation copies
-    final = run / pretrained.name / "final"
+    ctx = _TaskContext(recipe, index, task, data_dir, pretrained, vocab_file, tuple(s.name for s in stages))
     for init_kind in ("pretrained", "random") if task.random_init else ("pretrained",):
+        # Why this design: each initialisation chooses its own settings (a random-init model may want another
+        # learning rate; settings chosen for one side only would tilt the comparison), the trials run on the first
+        # seed only (a search per seed would multiply its cost by the seeds), and then every seed runs with the
+        # chosen settings, so the spread over seeds (and the verdict) still measures seeds, not settings.
+        plan_ = _search_plan(ctx, init_kind) if task.search is not None else None
+        trials = search_stages(ctx, init_kind, plan_) if plan_ is not None else []
+        stages += trials
         for seed in task.seeds:
-            name = f"finetune-{task.name}-{init_kind}-s{seed}"
-            folder = run / name
-            own_init = init_kind == "random" or task.reinit_pooler  # weights this stage writes itself
-            cfg = finetune_config(recipe, index, folder / "init" if own_init else final, folder / "out", seed,
-                                  data_dir)
-            if task.kind != "pydoc-topics" and not task_inputs:  # the task's files: once per task
-                files = [cfg.data.train_file, cfg.data.dev_file] if task.kind == "squad" else [cfg.data.data_dir]
-                task_inputs = {f"finetune[{index}] data: {f}": input_identity(f) for f in files if f}
-            settings = _settings(cfg, run)
-            setup = None
-            if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
-                settings["random_init.model"] = dict(to_dict(arch_cfg.model), init=None)
-                setup = functools.partial(_random_init, Path(cfg.init), arch_cfg, seed, vocab_file)
-            elif task.reinit_pooler:
-                settings["reinit_pooler"] = True
-                setup = functools.partial(_reinit_pooler, Path(cfg.init), final, seed)
-            deps = (("vocab",) if init_kind == "random" else (pretrained.name,)) + task_deps
-            stages.append(Stage(name, f"fine-tune {task.name} from {init_kind} weights, seed {seed}", True, deps,
-                                settings, task_inputs, ("out/final/model.safetensors", "out/eval_results.json"),
-                                functools.partial(_finetune_work, cfg, task.kind), setup=setup, config=cfg))
+            stages.append(_finetune_stage(ctx, init_kind, seed, plan_))
     return stages
+
+
+@dataclass(frozen=True)
+class _TaskContext:
+    """What every fine-tuning stage of one task shares."""
+    recipe: Recipe
+    index: int
+    task: TaskSection
+    data_dir: Optional[Path]
+    pretrained: Stage
+    vocab_file: Path
+    task_deps: tuple[str, ...]
+
+    def init(self, init_kind: str, seed: int, folder: Path) -> tuple[Path, Optional[Callable[[Stage], None]],
+                                                                       dict[str, Any], tuple[str, ...]]:
+        """(the model to start from, the setup that writes it, the settings that describe it, the dependencies)
+        of a run from `init_kind` weights with `seed`."""
+        run = self.recipe.run_dir
+        final = run / self.pretrained.name / "final"
+        arch_cfg = self.pretrained.config  # the architecture a random initialisation copies
+        deps = (("vocab",) if init_kind == "random" else (self.pretrained.name,)) + self.task_deps
+        if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
+            return (folder / "init", functools.partial(_random_init, folder / "init", arch_cfg, seed, self.vocab_file),
+                    {"random_init.model": dict(to_dict(arch_cfg.model), init=None)}, deps)
+        if self.task.reinit_pooler:
+            return (folder / "init", functools.partial(_reinit_pooler, folder / "init", final, seed),
+                    {"reinit_pooler": True}, deps)
+        return final, None, {}, deps
+
+    def config(self, init: Path, folder: Path, seed: int, params: dict[str, Any] | None = None,
+               params_key: str = "") -> Any:
+        return finetune_config(self.recipe, self.index, init, folder / "out", seed, self.data_dir, params, params_key)
+
+    def inputs(self, cfg: Any) -> dict[str, str]:
+        """The task's files (the built-in task's come from its data stage)."""
+        if self.task.kind == "pydoc-topics":
+            return {}
+        files = [cfg.data.train_file, cfg.data.dev_file] if self.task.kind == "squad" else [cfg.data.data_dir]
+        return {f"finetune[{self.index}] data: {f}": input_identity(f) for f in files if f}
+
+
+def _finetune_stage(ctx: _TaskContext, init_kind: str, seed: int, plan_: Optional["_SearchPlan"]) -> Stage:
+    """One fine-tuning run; after a search, with the settings its trials chose (resolved when they are done, so
+    the stage's hash covers them)."""
+    task, run = ctx.task, ctx.recipe.run_dir
+    name = f"finetune-{task.name}-{init_kind}-s{seed}"
+    folder = run / name
+    init, setup, extra, deps = ctx.init(init_kind, seed, folder)
+    cfg = ctx.config(init, folder, seed)
+    what = f"fine-tune {task.name} from {init_kind} weights, seed {seed}"
+    settings = {**_settings(cfg, run), **extra}
+    resolve = None
+    if plan_ is not None:
+        settings["search.chosen"] = "pending: chosen by the search"
+        resolve = functools.partial(_resolve_chosen, ctx, plan_, init, folder, seed, extra, what)
+        what += ", with the settings chosen on dev"
+        deps += plan_.trials
+    return Stage(name, what, True, deps, settings, ctx.inputs(cfg),
+                 ("out/final/model.safetensors", "out/eval_results.json"),
+                 functools.partial(_finetune_work, task.kind), setup=setup, config=cfg, resolve=resolve)
+
+
+# ----------------------------------------------------------------------------------------------- search trials
+
+@dataclass(frozen=True)
+class _SearchPlan:
+    """One initialisation's search of a task, as its stages see it."""
+    search: search.SearchSection
+    """The recipe's search with every value as the engine reads it (a YAML 1.1 '1e-4' string is the float 1e-4)."""
+    params_key: str
+    """The recipe key the trial settings come from (errors name it)."""
+    maximise: bool
+    integer_keys: frozenset[str]
+    trials: tuple[str, ...]
+    """The trial stages, in order."""
+    variants: tuple[Any, ...]
+    """The engine config of every candidate (every grid point; each choice and range end): built, so checked."""
+
+
+def _search_plan(ctx: _TaskContext, init_kind: str) -> _SearchPlan:
+    """Check task `ctx.index`'s search against the engine (every candidate value is built into a config now, so a
+    bad one stops the run before any work, naming its recipe key) and name its trial stages."""
+    s, run, key = ctx.task.search, ctx.recipe.run_dir, f"finetune[{ctx.index}].search"
+    params_key = f"{key}.grid" if s.grid else f"{key}.optuna.params"
+    trials = tuple(search.trial_stage_name(ctx.task.name, init_kind, k) for k in range(1, search.n_trials(s) + 1))
+    build = functools.partial(ctx.config, run / trials[0] / "init", run / trials[0], ctx.task.seeds[0],
+                              params_key=params_key)
+    base = build()
+    if not (base.do_train and base.do_eval):
+        raise UserError(f"recipe key '{key}': a search chooses settings on the dev set, so the task must train and "
+                        f"evaluate (finetune[{ctx.index}].config.do_train and do_eval true)")
+    if search.needs_optuna(s):
+        try:
+            search.require_optuna(key)
+        except ValueError as e:
+            raise UserError(str(e).replace("config key", "recipe key")) from None
+
+    def typed(name: str, value: Any) -> Any:
+        return flatten(to_dict(build({name: value})))[name]
+
+    if s.grid:
+        canonical = dataclasses.replace(s, grid={k: [typed(k, v) for v in vs] for k, vs in s.grid.items()})
+    else:
+        params = {k: dataclasses.replace(r, choices=None if r.choices is None else [typed(k, v) for v in r.choices],
+                                         low=None if r.low is None else typed(k, r.low),
+                                         high=None if r.high is None else typed(k, r.high))
+                  for k, r in s.optuna.params.items()}
+        canonical = dataclasses.replace(s, optuna=dataclasses.replace(s.optuna, params=params))
+    metric = base.eval.metric or PRIMARY_METRIC.get("squad" if ctx.task.kind == "squad"
+                                                    else get_task(base.data.task).name, "accuracy")
+    flat = flatten(to_dict(base))
+    integer = frozenset(k for k in search.search_keys(s) if isinstance(flat.get(k), int)
+                        and not isinstance(flat.get(k), bool))
+    variants = tuple(build(p) for p in search.candidate_points(canonical))
+    return _SearchPlan(canonical, params_key, maximises(metric), integer, trials, variants)
+
+
+def search_stages(ctx: _TaskContext, init_kind: str, plan_: _SearchPlan) -> list[Stage]:
+    """The trials of task `ctx.index`'s search from `init_kind` weights, each a stage on the task's first seed.
+
+    Grid trials know their settings now; Optuna trial k's are resolved from trials 1..k-1 when they are done. Trial
+    k depends on trial k-1: the sampler and the pruner read the earlier trials."""
+    task, run = ctx.task, ctx.recipe.run_dir
+    seed, n = task.seeds[0], len(plan_.trials)
+    points = search.grid_points(plan_.search) if plan_.search.grid else None
+    stages = []
+    for k, name in enumerate(plan_.trials, start=1):
+        folder = run / name
+        init, setup, extra, deps = ctx.init(init_kind, seed, folder)
+        what = f"search trial {k}/{n}: fine-tune {task.name} from {init_kind} weights, seed {seed}"
+        trial = functools.partial(_trial_settings, ctx, plan_, init, folder, seed, extra, what)
+        resolve = None
+        if points is not None:  # a grid: trial k is the k-th point
+            cfg, settings, what = trial(points[k - 1])
+        else:
+            cfg = ctx.config(init, folder, seed)
+            settings = {**_settings(cfg, run), **extra, "search.params": "pending: proposed from the earlier trials"}
+            resolve = functools.partial(_resolve_trial, plan_, k, trial)
+        stages.append(Stage(name, what, True, deps + plan_.trials[:k - 1][-1:], settings, ctx.inputs(cfg),
+                            ("out/eval_results.json", search.TRIAL_FILE),
+                            functools.partial(_trial_work, task.kind, plan_, k), setup=setup, config=cfg,
+                            resolve=resolve, variants=plan_.variants if k == 1 else ()))
+    return stages
+
+
+def _trial_settings(ctx: _TaskContext, plan_: _SearchPlan, init: Path, folder: Path, seed: int,
+                    extra: dict[str, Any], what: str, params: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
+    """A trial's config, hashed settings and description. What decides its result: its config (the parameters
+    in it), the pruner, and the earlier trials the pruner compares with (the stage depends on trial k-1, so on
+    all). Not the rest of the search: appending a value to a grid redoes no finished trial."""
+    cfg = ctx.config(init, folder, seed, params, plan_.params_key)
+    settings = {**_settings(cfg, ctx.recipe.run_dir), **extra, "search.params": params,
+                "search.pruner": to_dict(plan_.search.pruner)}
+    return cfg, settings, f"{what}: {search.describe(params)}"
+
+
+def _read_trials(run_dir: Path, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [json.loads((run_dir / n / search.TRIAL_FILE).read_text(encoding="utf-8")) for n in names]
+
+
+def _resolve_trial(plan_: _SearchPlan, k: int, trial: Callable[[dict[str, Any]], tuple[Any, dict[str, Any], str]],
+                   stage: Stage) -> tuple[Any, dict[str, Any], str]:
+    """Optuna trial k's settings, proposed by the sampler from the records of trials 1..k-1."""
+    finished = _read_trials(stage.folder.parent, plan_.trials[:k - 1])
+    return trial(search.trial_params(plan_.search, finished, k, plan_.maximise, set(plan_.integer_keys)))
+
+
+def _resolve_chosen(ctx: _TaskContext, plan_: _SearchPlan, init: Path, folder: Path, seed: int,
+                    extra: dict[str, Any], what: str, stage: Stage) -> tuple[Any, dict[str, Any], str]:
+    """A seed's run with the settings of the best finished trial of its initialisation."""
+    best = search.best_trial(_read_trials(stage.folder.parent, plan_.trials), plan_.maximise)
+    cfg = ctx.config(init, folder, seed, best["params"], plan_.params_key)
+    settings = {**_settings(cfg, ctx.recipe.run_dir), **extra, "search.chosen": best["params"]}
+    return cfg, settings, f"{what}, with {search.describe(best['params'])} (trial {best['trial']}, chosen on dev)"
+
+
+def _trial_work(kind: str, plan_: _SearchPlan, k: int, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    """Run trial k, its pruner fed by each dev evaluation; rank 0 then writes trial.json (what later trials and
+    the choice are computed from)."""
+    cfg = stage.config
+    finished = on_rank0("read the finished trials",
+                        functools.partial(_read_trials, stage.folder.parent, plan_.trials[:k - 1]))
+    on_eval = None
+    if plan_.search.pruner.name != "none":
+        on_eval = functools.partial(_ask_pruner, plan_, finished, Path(cfg.output_dir) / "metrics.jsonl",
+                                    stage.folder / search.PRUNED_FILE)
+    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto", on_eval=on_eval)
+
+    def record() -> None:
+        selection = json.loads((Path(cfg.output_dir) / "eval_results.json").read_text(encoding="utf-8"))["selection"]
+        rec = search.trial_record(k, stage.settings["search.params"], cfg.seed, selection,
+                                  _read_json(stage.folder / search.PRUNED_FILE))
+        atomic_write_json(stage.folder / search.TRIAL_FILE, rec)
+        log.info("stage %s: %s %s %s%s", stage.name, search.describe(rec["params"]), rec["metric"],
+                 "—" if rec["value"] is None else f"{rec['value']:.4g}", " (pruned)" if rec["pruned"] else "")
+
+    on_rank0("record the trial", record, long=True)
+    return _run_summary(results)
+
+
+def _ask_pruner(plan_: _SearchPlan, finished: list[dict[str, Any]], metrics: Path, pruned_file: Path, step: int,
+                value: float) -> bool:
+    """`on_eval` of a trial: rank 0 asks the pruner, every rank learns the answer (so all stop together)."""
+    return on_rank0("ask the search's pruner",
+                    functools.partial(_prune_decision, plan_, finished, metrics, pruned_file, step, value))
+
+
+def _prune_decision(plan_: _SearchPlan, finished: list[dict[str, Any]], metrics: Path, pruned_file: Path, step: int,
+                    value: float) -> bool:
+    # The trial's earlier evaluations are read from its metrics.jsonl (which a resumed run has cut back to its
+    # checkpoint), so a resumed trial is judged on the same curve as the straight one.
+    curve = [r["value"] for r in _eval_records(metrics) if r["step"] < step] + [value]
+    prune = search.should_prune(plan_.search, finished, curve, plan_.maximise, set(plan_.integer_keys))
+    if prune:
+        atomic_write_json(pruned_file, {"evaluation": len(curve), "step": step, "value": value,
+                                        "pruner": to_dict(plan_.search.pruner)})
+    return prune
+
+
+def _eval_records(path: Path) -> list[dict[str, Any]]:
+    """The evaluation records of a run's metrics.jsonl (a line cut by a kill is skipped)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("event") == "eval":
+                out.append(row)
+    return out
 
 
 def _task_data_work(data_dir: Path, stage: Stage, dist: DistInfo) -> dict[str, Any]:
@@ -282,10 +522,13 @@ def _task_data_work(data_dir: Path, stage: Stage, dist: DistInfo) -> dict[str, A
     return stats["examples"]
 
 
-def _finetune_work(cfg: Any, kind: str, stage: Stage, dist: DistInfo) -> dict[str, Any]:
-    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto")
+def _run_summary(results: dict[str, Any] | None) -> dict[str, Any]:
     return {k: results.get(k) for k in ("train_examples_per_second", "train_seconds", "train_steps")} \
         if results else {}
+
+
+def _finetune_work(kind: str, stage: Stage, dist: DistInfo) -> dict[str, Any]:
+    return _run_summary((run_squad if kind == "squad" else run_glue)(stage.config, resume="auto"))
 
 
 def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, stage: Stage) -> None:
@@ -316,6 +559,7 @@ def evaluate_stage(recipe: Recipe, finetunes: list[Stage]) -> Stage:
     return Stage("evaluate", "collect the dev-set results: mean and spread over seeds, baselines", False,
                  tuple(s.name for s in finetunes),
                  {"tasks": [[t.name, t.kind, t.seeds, t.random_init] for t in recipe.finetune],
+                  "search": [to_dict(t.search) for t in recipe.finetune],
                   "paper_model": recipe.report.paper_model, "verdict_rule": verdict.RULE}, {}, ("results.json",),
                  functools.partial(_evaluate_work, recipe))
 
@@ -408,10 +652,23 @@ def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
     return Decision("run", "not run yet")
 
 
+WAITS_FOR_SEARCH = "its settings come from the search, whose trials run first"
+
+
 def plan(stages: list[Stage]) -> dict[str, Decision]:
+    """What a run would do now (the dry run). A stage whose settings come from stages that would run first cannot
+    be resolved yet: it would run (or be redone) once they are done."""
+    by_name = {s.name: s for s in stages}
     decisions: dict[str, Decision] = {}
     for s in stages:
-        decisions[s.name] = decide(s, decisions)
+        if s.resolve is not None and all(decisions[d].action == "skip" for d in s.deps):
+            apply_resolved(s, s.resolve(s))
+        stage_hash(s, by_name)
+        if s.resolve is not None:
+            busy = s.folder.exists() and any(s.folder.iterdir())
+            decisions[s.name] = Decision("redo" if busy else "run", WAITS_FOR_SEARCH)
+        else:
+            decisions[s.name] = decide(s, decisions)
     return decisions
 
 
@@ -488,9 +745,9 @@ def check_batches(stages: list[Stage], world_size: int) -> None:
     """Every engine stage's batch plan at this world size, checked before any work (the engine checks it only when
     its stage starts, maybe hours in)."""
     for s in stages:
-        if s.parallel:
+        for cfg in (s.config, *s.variants) if s.parallel else ():
             try:
-                resolve_batch(s.config.train, world_size)
+                resolve_batch(cfg.train, world_size)
             except ValueError as e:
                 raise UserError(f"stage {s.name}: {e} (on {world_size} process{'es' if world_size > 1 else ''}; "
                                 "set its batch keys in the recipe)") from None
@@ -507,10 +764,15 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
     group = process_group_config(recipe)
     check_process_group(group, [(s.name, s.config.distributed) for s in stages if s.parallel])
     decisions: dict[str, Decision] = {}
+    by_name = {s.name: s for s in stages}
     with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite):
         if dist.is_main:
             atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
         for stage in stages:
+            if stage.resolve is not None:  # the stages it reads are done: its settings are known now
+                apply_resolved(stage, on_rank0(f"choose the settings of stage {stage.name}",
+                                               functools.partial(stage.resolve, stage)))
+            stage_hash(stage, by_name)
             decision = on_rank0(f"decide stage {stage.name}", functools.partial(decide, stage, decisions))
             decisions[stage.name] = decision
             if dist.is_main:
