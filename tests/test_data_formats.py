@@ -271,10 +271,16 @@ def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch)
 
 # ----------------------------------------------------------------------------------------------- streaming
 
-def test_parquet_is_read_a_batch_at_a_time_with_progress(tmp_path):
-    """The reader holds one record batch, not the file: after the first document the progress stands at the end
-    of the first batch; at the end it is the file's size (what `prepare`'s progress line shows)."""
+@pytest.mark.parametrize("large_row_groups", [False, True], ids=["row-group-read", "row-group-streamed"])
+def test_parquet_is_read_a_batch_at_a_time_with_progress(tmp_path, monkeypatch, large_row_groups):
+    """The reader yields a record batch at a time: after the first document the progress stands at 0, after the
+    first batch's documents at the end of that batch; at the end it is the file's size (what `prepare`'s progress
+    line shows). The same whether a row group is read whole or (a large one) streamed."""
+    from bertrain.data import tables
     from bertrain.data.tables import BATCH_ROWS
+
+    if large_row_groups:
+        monkeypatch.setattr(tables, "_LARGE_ROW_GROUP", 0)
 
     docs = [f"Document number {i} of the streaming test." for i in range(10 * BATCH_ROWS)]
     path = tmp_path / "c.parquet"
