@@ -30,7 +30,7 @@ seeded with `seed + k`, so trial k's parameters are a pure function of the recip
 pipeline therefore skips the finished trials and resumes the cut one (the engine's `--resume auto`); a pruning
 decision is recomputed from the records the same way on resume.
 
-This module is pure apart from Optuna: recipes sections in, parameters, pruning decisions and the choice out.
+This module is pure apart from Optuna: recipe sections in, parameters, pruning decisions and the choice out.
 `bertrain.pipeline.stages` turns trials into stages.
 """
 from __future__ import annotations

@@ -473,8 +473,12 @@ def _trial_work(kind: str, plan_: _SearchPlan, k: int, stage: Stage, dist: DistI
 
     def record() -> None:
         selection = json.loads((Path(cfg.output_dir) / "eval_results.json").read_text(encoding="utf-8"))["selection"]
+        # pruned.json counts only if the run ended at that evaluation: one written before a kill, by a decision
+        # the resumed run did not take again, is stale
+        pruned = _read_json(stage.folder / search.PRUNED_FILE)
+        last = selection["history"][-1]["step"] if selection["history"] else None
         rec = search.trial_record(k, stage.settings["search.params"], cfg.seed, selection,
-                                  _read_json(stage.folder / search.PRUNED_FILE))
+                                  pruned if pruned is not None and pruned["step"] == last else None)
         atomic_write_json(stage.folder / search.TRIAL_FILE, rec)
         log.info("stage %s: %s %s %s%s", stage.name, search.describe(rec["params"]), rec["metric"],
                  "—" if rec["value"] is None else f"{rec['value']:.4g}", " (pruned)" if rec["pruned"] else "")
