@@ -1,8 +1,9 @@
 """Load against a running `bertrain serve`: concurrent clients, every answer checked against offline predictions.
 
-Used by benchmarks/serve_load.py (60 s, numbers in BENCHMARKS.md) and by tests/test_deploy_serve.py (seconds).
-Clients only ever talk to the URL they are given (the benchmark starts the server on 127.0.0.1) and stop at a
-request count and a time limit, whichever comes first.
+Used by benchmarks/serve_load.py (numbers in BENCHMARKS.md) and by tests/test_deploy_serve*.py (seconds). Clients
+only ever talk to the URL they are given (the benchmark starts the server on 127.0.0.1) and stop at a request count
+and a time limit, whichever comes first. A 503 (the server's queue is full) is counted as refused, apart from the
+lost requests (no answer, or any other status) and the wrong answers.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from bertrain.deploy import require
+from bertrain.deploy.config import API_KEY_ENV
 from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
 from bertrain.tasks.glue import get_task, read_glue_tsv
 from bertrain.tasks.squad import read_squad
@@ -71,15 +74,28 @@ class ServerProcess:
     proc: subprocess.Popen
     url: str
     lines: list[str] = field(default_factory=list)
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request needs to be let in: the API key, when the server has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @contextmanager
-def running_server(model: str | os.PathLike, *options: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
+def running_server(model: str | os.PathLike, *options: str, timeout: float = 120.0,
+                   api_key: str | None = None) -> Iterator[ServerProcess]:
     """`bertrain serve MODEL --host 127.0.0.1 --port 0 OPTIONS` in a subprocess until the block ends (then SIGTERM,
-    and SIGKILL if it has not exited 60 s later). Yields the process and its URL."""
+    and SIGKILL if it has not exited 60 s later), with `api_key` in its environment (BERTRAIN_API_KEY) if given.
+    Yields the process and its URL. Its output is read into `lines` as it comes, so that a chatty server never
+    blocks on a full pipe."""
     cmd = [sys.executable, "-m", "bertrain", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *options]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    server = ServerProcess(proc, "")
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    server = ServerProcess(proc, "", api_key=api_key)
+    reader: threading.Thread | None = None
     try:
         deadline = time.monotonic() + timeout
         while not server.url:
@@ -91,6 +107,8 @@ def running_server(model: str | os.PathLike, *options: str, timeout: float = 120
                 server.url = line.split(" on ", 1)[1].split()[0]
             elif time.monotonic() > deadline:
                 raise RuntimeError("bertrain serve did not start in time:\n" + "".join(server.lines))
+        reader = threading.Thread(target=_read_lines, args=(proc, server.lines), daemon=True)
+        reader.start()
         _wait_healthy(server.url, deadline)
         yield server
     finally:
@@ -101,8 +119,16 @@ def running_server(model: str | os.PathLike, *options: str, timeout: float = 120
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        server.lines.extend(proc.stdout.readlines())
+        if reader is not None:
+            reader.join(10)
+        else:
+            server.lines.extend(proc.stdout.readlines())
         proc.stdout.close()
+
+
+def _read_lines(proc: subprocess.Popen, lines: list[str]) -> None:
+    for line in proc.stdout:
+        lines.append(line)
 
 
 def _wait_healthy(url: str, deadline: float) -> None:
@@ -126,9 +152,12 @@ class LoadReport:
     seconds: float
     requests: int = 0
     answered: int = 0
-    lost: int = 0                      # no answer, or not 200
+    refused: int = 0                   # 503: the server's queue was full (Retry-After)
+    lost: int = 0                      # no answer, or neither 200 nor 503
     wrong: int = 0                     # answered, but not the offline prediction
-    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    latencies_ms: list[float] = field(default_factory=list, repr=False)           # of the answered requests
+    refused_latencies_ms: list[float] = field(default_factory=list, repr=False)   # of the 503s
+    retry_after_s: list[int] = field(default_factory=list, repr=False)
     max_score_diff: float = 0.0
     errors: list[str] = field(default_factory=list, repr=False)
 
@@ -136,23 +165,31 @@ class LoadReport:
     def requests_per_s(self) -> float:
         return self.answered / self.seconds if self.seconds else 0.0
 
-    def percentile_ms(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+    def percentile_ms(self, q: float, refused: bool = False) -> float:
+        values = self.refused_latencies_ms if refused else self.latencies_ms
+        return float(np.percentile(values, q)) if values else float("nan")
 
     def summary(self) -> dict[str, Any]:
         return {"clients": self.clients, "seconds": round(self.seconds, 2), "requests": self.requests,
-                "answered": self.answered, "lost": self.lost, "wrong": self.wrong,
+                "answered": self.answered, "refused": self.refused, "lost": self.lost, "wrong": self.wrong,
+                "refused_fraction": round(self.refused / self.requests, 4) if self.requests else 0.0,
                 "requests_per_s": round(self.requests_per_s, 2), "p50_ms": round(self.percentile_ms(50), 1),
-                "p99_ms": round(self.percentile_ms(99), 1), "max_score_diff": self.max_score_diff,
+                "p99_ms": round(self.percentile_ms(99), 1),
+                "refused_p50_ms": round(self.percentile_ms(50, refused=True), 1),
+                "refused_p99_ms": round(self.percentile_ms(99, refused=True), 1),
+                "retry_after_s": sorted(set(self.retry_after_s)), "max_score_diff": self.max_score_diff,
                 "errors": self.errors[:5]}
 
 
 def run_load(url: str, items: list[dict[str, Any]], expected: list[dict[str, Any]], clients: int = 8,
              duration_s: float = 60.0, max_requests: int = 100_000, items_per_request: int = 1,
-             timeout_s: float = 120.0) -> LoadReport:
+             timeout_s: float = 120.0, headers: dict[str, str] | None = None,
+             pause_after_503_s: float = 0.0) -> LoadReport:
     """`clients` concurrent clients POST /predict in a loop, each request `items_per_request` consecutive items of
     `items` (cycling), until `duration_s` has passed or `max_requests` were sent. Every answer is compared with
-    `expected` (the offline predictions of `items`, by position)."""
+    `expected` (the offline predictions of `items`, by position). A client refused with 503 waits
+    `pause_after_503_s` (not the server's Retry-After: a load test keeps the pressure on) and sends its next
+    request."""
     httpx = require("httpx", "the load test")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per request would load the client's core
     assert len(items) == len(expected) and items
@@ -167,10 +204,16 @@ def run_load(url: str, items: list[dict[str, Any]], expected: list[dict[str, Any
             report.requests += 1
             t0 = time.perf_counter()
             try:
-                r = await http.post(f"{url}/predict", json=[items[i] for i in idx])
+                r = await http.post(f"{url}/predict", json=[items[i] for i in idx], headers=headers)
             except httpx.HTTPError as e:
                 report.lost += 1
                 report.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code == 503 and "retry-after" in r.headers:
+                report.refused += 1
+                report.refused_latencies_ms.append(1000 * (time.perf_counter() - t0))
+                report.retry_after_s.append(int(r.headers["retry-after"]))
+                await asyncio.sleep(pause_after_503_s)
                 continue
             report.latencies_ms.append(1000 * (time.perf_counter() - t0))
             if r.status_code != 200:
