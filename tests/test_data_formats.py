@@ -233,6 +233,16 @@ def test_wrong_column_type_nulls_and_damaged_files(tmp_path):
         assert str(e.value).startswith(f"{tmp_path / name} is not a readable {what} file: ")
 
 
+def test_arrow_ipc_stream_and_file_formats(tmp_path):
+    """A single .arrow file: an IPC stream (what `datasets` writes) or the IPC file format (Feather v2)."""
+    table = pa.table({"n": list(range(600)), "text": [f"Document {i} of the arrow test." for i in range(600)]})
+    with pa.ipc.new_stream(str(tmp_path / "s.arrow"), table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+    with pa.ipc.new_file(str(tmp_path / "f.arrow"), table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+    assert raw_texts([tmp_path / "s.arrow"]) == raw_texts([tmp_path / "f.arrow"]) == table.column("text").to_pylist()
+
+
 def test_incomplete_datasets_folder_and_empty_parquet(tmp_path):
     _dataset(["A first document of the folder.", "A second one."]).save_to_disk(str(tmp_path / "ds"))
     arrow = next((tmp_path / "ds").glob("*.arrow"))

@@ -137,13 +137,14 @@ class Table:
             else:
                 import pyarrow.ipc
 
-                self._file = pa.OSFile(self.path)
+                self._file = pa.OSFile(self.path)  # plain reads, not a memory map: RSS stays a batch, not the file
                 try:  # `datasets` writes IPC streams; the IPC file format (Feather v2) is read too
                     self._ipc = pyarrow.ipc.open_stream(self._file)
+                    self._stream = True
                 except pa.ArrowInvalid:
-                    self._file.close()
-                    self._file = None
-                    self._ipc = pyarrow.ipc.open_file(pa.memory_map(self.path))
+                    self._file.seek(0)
+                    self._ipc = pyarrow.ipc.open_file(self._file)
+                    self._stream = False
                 self.schema = self._ipc.schema
                 self.num_rows = None
         except (pa.ArrowException, OSError) as e:
@@ -215,20 +216,21 @@ class Table:
                     rows += batch.num_rows
                     yield batch, int(self.size * min(rows / total, 1.0))
             else:
-                for batch in self._ipc:
+                ipc = self._ipc
+                for batch in ipc if self._stream else (ipc.get_batch(i) for i in range(ipc.num_record_batches)):
                     batch = batch.select(columns)
                     for start in range(0, max(batch.num_rows, 1), batch_rows):
                         part = batch.slice(start, batch_rows)
                         if part.num_rows:
-                            yield part, (self._file.tell() if self._file is not None else self.size)
+                            yield part, self._file.tell()
         except (pa.ArrowException, OSError) as e:
             raise UserError(f"{self.path}: cannot read the rows ({e}); the file is damaged or truncated") from None
 
     def _parquet_batches(self, columns: list[str], batch_rows: int) -> Iterator[Any]:
-        """A row group's columns at a time, cut into batches. Why not `ParquetFile.iter_batches` over the file:
-        with the default unbuffered stream it held ~20 row groups of decoded pages (66 MB for a 60 MB file of
-        2.9 MB row groups, BENCHMARKS.md, data preparation) and was half as fast; a row group larger than
-        `_LARGE_ROW_GROUP` is streamed through a buffered `iter_batches` of its own instead."""
+        """A row group's columns at a time, cut into batches. Why not `ParquetFile.iter_batches` over the file: on
+        a 60 MB file of 2.9 MB row groups Arrow's memory pool peaked at 66 MB with it (2.9 MB this way) and it took
+        twice as long (BENCHMARKS.md, data preparation). A row group larger than `_LARGE_ROW_GROUP` is streamed
+        through a buffered `iter_batches` of its own instead."""
         meta = self._pq.metadata
         for i in range(meta.num_row_groups):
             if meta.row_group(i).total_byte_size > _LARGE_ROW_GROUP:
