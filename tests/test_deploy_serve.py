@@ -180,8 +180,9 @@ def test_short_load_test_every_answer_checked(deploy_models):
 
 
 def test_sigterm_answers_every_request_in_flight(deploy_models):
-    """Six requests wait in a micro-batch (max wait 3 s) when the server gets SIGTERM: all six are answered, with
-    the offline predictions, and the server exits 0."""
+    """Six requests wait in a micro-batch (max wait 3 s) and an upload has stalled when the server gets SIGTERM:
+    all six are answered, with the offline predictions, the stalled upload gets 408 at --body-timeout-s (before
+    issue 25 it held the shutdown for ever), and the server exits 0."""
     import httpx
 
     from bertrain.deploy.loadtest import mrpc_items, running_server, same_prediction
@@ -190,7 +191,7 @@ def test_sigterm_answers_every_request_in_flight(deploy_models):
     items = mrpc_items(shared_file("glue/MRPC/dev.tsv"), limit=6)
     expected = Predictor(deploy_models["cls"]).predict(items)
     answers: dict[int, httpx.Response | Exception] = {}
-    with running_server(deploy_models["cls"], "--max-wait-ms", "3000") as server:
+    with running_server(deploy_models["cls"], "--max-wait-ms", "3000", "--body-timeout-s", "5") as server:
         def send(i: int) -> None:
             try:
                 answers[i] = httpx.post(f"{server.url}/predict", json=items[i], timeout=60)
@@ -204,9 +205,15 @@ def test_sigterm_answers_every_request_in_flight(deploy_models):
         while httpx.get(f"{server.url}/health").json()["stats"]["in_flight"] < len(items):
             assert time.monotonic() < deadline, "the requests never arrived"
             time.sleep(0.02)
+        stalled = connect(server)
+        stalled.sendall(head(key=False, length=1000) + b'{"text": "sta')
+        wait_for_metric(server, "bertrain_requests_in_flight", len(items) + 2)  # + the upload + this scrape
         server.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
+        with stalled:
+            answer, _ = read_until_closed(stalled, 60)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"13 bytes came of 1,000" in answer, answer
         assert server.proc.wait(60) == 0
     for i, r in sorted(answers.items()):
         assert isinstance(r, httpx.Response) and r.status_code == 200, r
