@@ -42,7 +42,8 @@ def test_save_and_restore_walk_the_same_entries(caplog: pytest.LogCaptureFixture
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = TrainState(step=5, epoch=1, samples=80)
     states = training_states(model, optimizer, Box("sched"), Box("prec"), Box("loader"), state, 3, dist,
-                             Box({"best_step": 4}), Box({"elapsed_s": 3.0}))
+                             Box({"best_step": 4}), Box({"elapsed_s": 3.0}),
+                             Box({"mlflow": "abc"}))
     saved = saved_entries(states)
     # every registered entry is saved, under its own name, except the tensors the checkpoint format stores
     assert set(saved) == set(states) - set(TENSOR_STATES)
@@ -50,12 +51,12 @@ def test_save_and_restore_walk_the_same_entries(caplog: pytest.LogCaptureFixture
 
     fresh_state = TrainState()
     fresh = training_states(model, optimizer, Box(None), Box(None), Box(None), fresh_state, 3, dist, Box(None),
-                            Box(None))
+                            Box(None), Box(None))
     fresh["extra"] = Box("built")  # an entry added after the checkpoint was written
     with caplog.at_level("INFO"):
         load_entries(fresh, saved)
     assert fresh_state == state and fresh["scheduler"].value == "sched" and fresh["loader"].value == "loader"
-    assert fresh["eval"].value == {"best_step": 4}
+    assert fresh["eval"].value == {"best_step": 4} and fresh["trackers"].value == {"mlflow": "abc"}
     assert fresh["extra"].value == "built" and "no 'extra' state" in caplog.text
     load_entries(fresh, {**saved, "scheduler": "other"}, skip=("scheduler",))
     assert fresh["scheduler"].value == "sched"

@@ -402,6 +402,8 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                     "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
 
         on_rank0("export the final model", export, long=True)
+        if cfg.do_train:
+            run.finish(results, out_dir / "final", out_dir / "eval_results.json")
         return results if dist.is_main else {}
 
 
@@ -490,4 +492,6 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
 
         on_rank0("write the results and the final model", finish, long=True)
+        if cfg.do_train:
+            run.finish(results, out_dir / "final", out_dir / "eval_results.json")
         return results if dist.is_main else {}

@@ -256,6 +256,26 @@ class EvalConfig:
         ])
 
 
+@dataclass
+class MetricsConfig:
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers beside metrics.jsonl (always written): tensorboard, mlflow, wandb (extras
+    bertrain[tensorboard|mlflow|wandb]; a missing tracker package is an error before any work, except the default
+    tensorboard, which is skipped with a warning)."""
+    experiment: str = "bertrain"
+    """MLflow experiment / W&B project."""
+    run_name: str = ""
+    """The tracker run's name ('' = the output folder's name)."""
+    group: str = ""
+    """Group runs together: a W&B group, an MLflow parent run of that name (bertrain run: the recipe's name)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI ('' = MLFLOW_TRACKING_URI, else MLflow's default: sqlite:///mlflow.db in the cwd)."""
+
+    def __post_init__(self) -> None:
+        from bertrain.train.trackers import check_report_to  # no heavy import: it only looks the packages up
+        check_report_to(list(self.report_to))
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 @dataclass
@@ -371,6 +391,8 @@ class TrainerConfig:
     """Checkpoint folders."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation while training: when, the selection metric, the best model, early stopping."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where records go beside metrics.jsonl: TensorBoard, MLflow, W&B."""
     model_options: ModelOptionsConfig = field(default_factory=ModelOptionsConfig)
     """How the model runs: unpadding, jagged attention, gradient checkpointing, compile (same results)."""
     seed: int = 12345

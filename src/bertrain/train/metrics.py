@@ -1,5 +1,6 @@
-"""Seeing what happens: `metrics.jsonl` (one JSON object per logged step), TensorBoard when installed, and a PNG
-plot of loss, accuracy and throughput at the end. Only the main rank creates a logger with `enabled=True`."""
+"""Seeing what happens: `metrics.jsonl` (one JSON object per logged step or evaluation), handed on to the
+trackers (TensorBoard, MLflow, W&B: `train/trackers.py`), and a PNG plot of loss, accuracy and throughput at the
+end. Only the main rank creates a logger with `enabled=True`."""
 from __future__ import annotations
 
 import json
@@ -12,14 +13,14 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Append metrics to OUTPUT/metrics.jsonl (and TensorBoard under OUTPUT/tensorboard when available)."""
+    """Append records to OUTPUT/metrics.jsonl and hand them to the run's trackers (`train/trackers.py`)."""
 
     def __init__(self, output_dir: str | Path, enabled: bool = True, resume_step: int | None = None,
-                 tensorboard: bool = True) -> None:
+                 trackers: Any = None) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.trackers = trackers
         self._file = None
-        self._tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,13 +29,6 @@ class MetricsLogger:
         elif resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file
         self._file = open(self.path, "a", encoding="utf-8")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
-            except ImportError:
-                log.debug("tensorboard not installed: metrics go to %s only", self.path)
-            else:
-                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines a killed run wrote after the checkpoint we resume from, so each step appears once."""
@@ -53,21 +47,13 @@ class MetricsLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = int(record.get("step", 0))
-            # an evaluation record (train/evaluation.py) carries its numbers under "metrics": eval/NAME in TensorBoard
-            section, values = ("eval", record["metrics"]) if record.get("event") == "eval" else ("train", record)
-            for k, v in values.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"{section}/{k}", v, step)
+        if self.trackers is not None:
+            self.trackers.log(clean)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self

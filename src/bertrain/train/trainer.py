@@ -61,6 +61,7 @@ from bertrain.train.precision import Precision
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
+from bertrain.train.trackers import TrackerIds, Trackers, open_trackers
 from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
 
@@ -125,6 +126,19 @@ class RunResult:
     evaluation (empty when the task does not evaluate)."""
     stop_reason: str | None = None
     """Why the run ended before its step count (the time budget), None otherwise."""
+    trackers: Trackers = field(default_factory=lambda: Trackers([], enabled=False))
+    """The run's trackers, still open after a finished run: the caller logs its results and artifacts and calls
+    `finish` (closed already after a stop by signal or an error)."""
+
+    def finish(self, results: dict[str, Any] | None = None, *artifacts: Path | None) -> None:
+        """Hand the final results and the output folders/files to the trackers and close them (rank 0 logs;
+        elsewhere a no-op)."""
+        if results:
+            self.trackers.results(results)
+        for path in artifacts:
+            if path is not None and Path(path).exists():
+                self.trackers.artifact(path)
+        self.trackers.close()
 
 
 class Trainer:
@@ -158,8 +172,9 @@ class Trainer:
         ckpt.seed_rank_rng(cfg.seed, dist.rank, 0)  # dropout differs per rank, reproducibly
         state, changes = TrainState(), {}
         evaluator = Evaluator(cfg.eval, task, dist, precision, self.out, total_steps, per_epoch, template, on_eval)
+        tracker_ids = TrackerIds()
         states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist,
-                                 evaluator.history, Clock())
+                                 evaluator.history, Clock(), tracker_ids)
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
             changes = restore(start, states, dist, cfg, plan, allow_config_change)
@@ -180,8 +195,28 @@ class Trainer:
         start_step = state.step
         run = _Run(self, task, ddp_model, states, total_steps, plan, evaluator)
         t0 = time.perf_counter()
+        resume_step = state.step if start else None
+        trackers = open_trackers(cfg, self.out, dist.is_main, task.name, resume_step, tracker_ids)
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(trackers.close)  # closed here on an error; on success the caller finishes them
+            stopped, last = self._train(run, state, changes, resume_step, trackers)
+            on_error.pop_all()
+        if stopped:
+            trackers.close()
+        if template is not None:  # one plain module again (every rank) for evaluation and the HF export
+            # (the copy keeps the options' flags but not a compiled layer's compiled call: applied again)
+            model = apply_model_options(gather_full_model(model, template, dist.device), cfg.model_options)
+        if not stopped:
+            model = evaluator.final_model(model, state.step)
+        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step,
+                         evaluator.summary() if evaluator.enabled else {}, run.stop_reason, trackers)
+
+    def _train(self, run: "_Run", state: TrainState, changes: dict[str, Any], resume_step: int | None,
+               trackers: Trackers) -> tuple[bool, dict[str, Any]]:
+        """The step loop under the stop signal, the watchdog and the metrics log; the last checkpoint."""
+        cfg, dist = self.cfg, self.dist
         with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, self.out) as watchdog, \
-                MetricsLogger(self.out, dist.is_main, resume_step=state.step if start else None) as ml, \
+                MetricsLogger(self.out, dist.is_main, resume_step, trackers) as ml, \
                 _log_through_bar(_show_bar(dist)):
             if changes:
                 ml.log({"step": state.step, "event": "config_change",
@@ -190,13 +225,7 @@ class Trainer:
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()
-        if template is not None:  # one plain module again (every rank) for evaluation and the HF export
-            # (the copy keeps the options' flags but not a compiled layer's compiled call: applied again)
-            model = apply_model_options(gather_full_model(model, template, dist.device), cfg.model_options)
-        if not stopped:
-            model = evaluator.final_model(model, state.step)
-        return RunResult(state, model, total_steps, plan, time.perf_counter() - t0, stopped, last, start_step,
-                         evaluator.summary() if evaluator.enabled else {}, run.stop_reason)
+        return stopped, last
 
 
 class _Run:

@@ -1,0 +1,332 @@
+"""Experiment trackers: TensorBoard, MLflow, Weights & Biases, chosen by `metrics.report_to` (metrics.jsonl is
+always written, by `train/metrics.MetricsLogger`). Rank 0 only.
+
+A tracker receives the run's identity and resolved config (flattened, as hyperparameters), every training and
+evaluation record, the final results and the output folders as artifacts. Its run id is part of the run state
+(the registry's `trackers` entry, and OUTPUT/trackers.json for what a command logs after training), so a resumed
+run continues the same tracker run. `metrics.group` groups runs: a W&B group, an MLflow parent run (what
+`bertrain run` uses for its stages).
+
+Trackers talk to servers that may be slow or gone, so no call runs on the training thread: `Trackers` queues
+each call for one worker thread (a bounded queue: a record that finds it full is dropped, counted, and said once).
+A tracker whose call fails is switched off with one warning; training never waits for it, except at the end
+(`close`), which waits at most `CLOSE_TIMEOUT_S` for what is queued.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from bertrain.config import flatten, to_dict
+
+log = logging.getLogger(__name__)
+
+EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+"""report_to name -> (the module it needs, the bertrain extra that installs it)."""
+RUN_IDS = "trackers.json"
+QUEUE_SIZE = 10_000
+CLOSE_TIMEOUT_S = 30.0
+
+
+def check_report_to(names: list[str]) -> None:
+    """Refuse unknown trackers and missing packages before any work (`ValueError` naming the key and the extra).
+    TensorBoard, on by default, is the exception: without its package the run goes on with a warning."""
+    for name in names:
+        if name not in EXTRAS:
+            raise ValueError(f"config key 'metrics.report_to': unknown tracker {name!r} (choose from "
+                             f"{', '.join(EXTRAS)}; metrics.jsonl is always written)")
+        module, extra = EXTRAS[name]
+        if name != "tensorboard" and importlib.util.find_spec(module) is None:
+            raise ValueError(f"config key 'metrics.report_to' lists {name} but the {module} package is not "
+                             f"installed: pip install 'bertrain[{extra}]'")
+
+
+class Tracker(Protocol):
+    name: str
+
+    def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> str | None:
+        """Open (run_id None) or continue a run; returns its id (None: the tracker has no ids)."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+    def results(self, results: dict[str, Any]) -> None: ...
+    def artifact(self, path: Path) -> None: ...
+    def finish(self) -> None: ...
+
+
+def _numbers(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """(step, {name: value}) of a metrics.jsonl record: a training record's numbers as train/NAME, an evaluation's
+    as eval/NAME (the same names TensorBoard shows)."""
+    step = int(record.get("step", 0))
+    section, values = ("eval", record.get("metrics", {})) if record.get("event") == "eval" else ("train", record)
+    out = {f"{section}/{k}": float(v) for k, v in values.items()
+           if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return step, out
+
+
+def _scalars(results: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in flatten(results).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class TensorBoardTracker:
+    name = "tensorboard"
+
+    def __init__(self, out: Path, resume_step: int | None) -> None:
+        self.out, self.resume_step, self.writer = out, resume_step, None
+
+    def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+        self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.resume_step)
+        if run_id is None:
+            self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in params.items()))
+        return None
+
+    def log(self, record: dict[str, Any]) -> None:
+        step, values = _numbers(record)
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def results(self, results: dict[str, Any]) -> None:
+        self.writer.add_text("results", "    " + json.dumps(results, indent=1).replace("\n", "\n    "))
+
+    def artifact(self, path: Path) -> None:
+        pass  # TensorBoard has no artifacts: the folders are beside its event files
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class MlflowTracker:
+    """Through `MlflowClient` (explicit run ids, no global active run): the tracking URI of `metrics.mlflow_uri`,
+    else MLFLOW_TRACKING_URI, else MLflow's default."""
+    name = "mlflow"
+
+    def __init__(self, uri: str, experiment: str, run_name: str, group: str) -> None:
+        self.uri, self.experiment, self.run_name, self.group = uri or None, experiment, run_name, group
+        self.client = self.run_id = None
+
+    def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> str:
+        # MLflow retries a refused connection 7 times with backoff (minutes): fail fast instead, the tracker is then
+        # switched off (metrics.jsonl has every record). The user's environment wins.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+        self.client = MlflowClient(tracking_uri=self.uri)
+        if run_id is not None:  # a resumed run: the same MLflow run, its parameters are already there
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+            return run_id
+        exp = self.client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        tags = {f"bertrain.{k}": str(v) for k, v in info.items()}
+        if self.group:
+            tags["mlflow.parentRunId"] = self._parent(exp_id)
+        self.run_id = self.client.create_run(exp_id, run_name=self.run_name, tags=tags).info.run_id
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        return self.run_id
+
+    def _parent(self, exp_id: str) -> str:
+        """The group's parent run in the experiment (created by the first stage that asks)."""
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`bertrain.group` = '{self.group}'",
+                                        max_results=1)
+        if found:
+            return found[0].info.run_id
+        return self.client.create_run(exp_id, run_name=self.group, tags={"bertrain.group": self.group}).info.run_id
+
+    def log(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+        step, values = _numbers(record)
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def results(self, results: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(f"results/{k}", v, now, 0)
+                                                    for k, v in _scalars(results).items()])
+        self.client.log_dict(self.run_id, results, "results.json")
+
+    def artifact(self, path: Path) -> None:
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), path.name)
+        elif path.is_file():
+            self.client.log_artifact(self.run_id, str(path))
+
+    def finish(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandbTracker:
+    """`wandb.init` in the run folder (WANDB_MODE=offline works without an account); a resumed run passes its id
+    with resume="allow"."""
+    name = "wandb"
+
+    def __init__(self, out: Path, project: str, run_name: str, group: str) -> None:
+        self.out, self.project, self.run_name, self.group = out, project, run_name, group
+        self.run = None
+
+    def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> str:
+        import wandb
+        self.run = wandb.init(project=self.project, name=self.run_name, group=self.group or None, id=run_id,
+                              resume="allow" if run_id else None, dir=str(self.out), config={**params, **info},
+                              reinit="create_new")
+        return self.run.id
+
+    def log(self, record: dict[str, Any]) -> None:
+        step, values = _numbers(record)
+        self.run.log(values, step=step)
+
+    def results(self, results: dict[str, Any]) -> None:
+        self.run.summary.update({f"results/{k}": v for k, v in _scalars(results).items()})
+
+    def artifact(self, path: Path) -> None:
+        import wandb
+        art = wandb.Artifact(f"{self.run.id}-{path.name}".replace("/", "-"), type="model" if path.is_dir() else "file")
+        (art.add_dir if path.is_dir() else art.add_file)(str(path))
+        self.run.log_artifact(art)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """The trackers of one command on rank 0 (`enabled` False elsewhere: every call is a no-op), fed through one
+    worker thread (see the module docstring)."""
+
+    def __init__(self, trackers: list[Tracker], enabled: bool = True) -> None:
+        self.trackers = trackers if enabled else []
+        self.dropped = 0
+        self._failed: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self._thread: threading.Thread | None = None
+        if self.trackers:
+            self._thread = threading.Thread(target=self._work, name="bertrain-trackers", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while (call := self._queue.get()) is not None:
+            call()
+
+    def _each(self, method: str, *args: Any) -> None:
+        """`method` of every tracker still on (on the worker thread)."""
+        for t in self.trackers:
+            if t.name in self._failed:
+                continue
+            try:
+                getattr(t, method)(*args)
+            except Exception as e:  # a tracker must never stop training: off, and said once
+                self._failed.add(t.name)
+                log.warning("tracker %s failed (%s: %s); it is off for the rest of this run, metrics.jsonl has "
+                            "every record", t.name, type(e).__name__, (str(e).splitlines() or [""])[0][:300])
+
+    def _put(self, call: Callable[[], None] | None, wait: bool = False) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(call, block=wait, timeout=CLOSE_TIMEOUT_S if wait else None)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("the trackers fall behind (%d calls queued): records are dropped for them (not for "
+                            "metrics.jsonl)", QUEUE_SIZE)
+
+    def start(self, ids: TrackerIds, params: dict[str, Any], info: dict[str, Any],
+              on_started: Callable[[dict[str, str]], None] | None = None) -> None:
+        """Open or continue each tracker's run (`ids.ids`: name -> id of the run being resumed), on the worker:
+        training does not wait for a server. `ids` gets the new ids when they are known (the next checkpoint
+        holds them), then `on_started(ids)` runs (it writes OUTPUT/trackers.json)."""
+        def start_all() -> None:
+            for t in self.trackers:
+                try:
+                    run_id = t.start(ids.ids.get(t.name), params, info)
+                    if run_id is not None:
+                        ids.ids[t.name] = run_id
+                except Exception as e:
+                    self._failed.add(t.name)
+                    log.warning("tracker %s could not start (%s: %s); the run goes on without it", t.name,
+                                type(e).__name__, (str(e).splitlines() or [""])[0][:300])
+            if on_started is not None and ids.ids:
+                on_started(dict(ids.ids))
+
+        self._put(start_all, wait=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._put(functools.partial(self._each, "log", record))
+
+    def results(self, results: dict[str, Any]) -> None:
+        self._put(functools.partial(self._each, "results", results), wait=True)
+
+    def artifact(self, path: str | Path) -> None:
+        self._put(functools.partial(self._each, "artifact", Path(path)), wait=True)
+
+    def close(self) -> None:
+        """Finish every run and stop the worker, waiting at most CLOSE_TIMEOUT_S for what is queued."""
+        if self._thread is None:
+            return
+        self._put(functools.partial(self._each, "finish"), wait=True)
+        self._put(None, wait=True)
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("the trackers did not finish within %.0f s (a server gone?); metrics.jsonl is complete",
+                        CLOSE_TIMEOUT_S)
+        self._thread = None
+
+
+class TrackerIds:
+    """The tracker run ids of this run (name -> id): an entry of the checkpoint registry, so a resumed run
+    continues the same tracker runs."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, str] = {}
+
+    def state_dict(self) -> dict[str, str]:
+        return dict(self.ids)
+
+    def load_state_dict(self, ids: dict[str, str]) -> None:
+        self.ids = dict(ids)
+
+
+def open_trackers(cfg: Any, out: Path, is_main: bool, task: str, resume_step: int | None,
+                  ids: TrackerIds) -> Trackers:
+    """The trackers of `cfg.metrics.report_to`, their runs opened (or continued, with `ids` from the checkpoint)
+    with the resolved config as parameters; OUTPUT/trackers.json names the runs. Rank 0 only (`is_main`)."""
+    if not is_main:
+        return Trackers([], enabled=False)
+    m = cfg.metrics
+    name = m.run_name or out.resolve().name
+    made: list[Tracker] = []
+    for kind in dict.fromkeys(m.report_to):
+        if kind == "tensorboard":
+            if importlib.util.find_spec("tensorboard") is None:  # the default: no error, metrics.jsonl has it all
+                log.info("tensorboard is not installed (pip install 'bertrain[tensorboard]'): metrics.jsonl only")
+                continue
+            made.append(TensorBoardTracker(out, resume_step))
+        elif kind == "mlflow":
+            made.append(MlflowTracker(m.mlflow_uri, m.experiment, name, m.group))
+        elif kind == "wandb":
+            made.append(WandbTracker(out, m.experiment, name, m.group))
+    trackers = Trackers(made)
+    if resume_step is not None and (out / RUN_IDS).is_file():
+        # the runs were opened on the worker thread: a checkpoint written before that finished lacks their ids,
+        # which OUTPUT/trackers.json (written when they opened) has
+        try:
+            ids.ids = {**json.loads((out / RUN_IDS).read_text(encoding="utf-8")), **ids.ids}
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s): the trackers start new runs", out / RUN_IDS, e)
+    from bertrain import __version__
+    from bertrain.utils.io import atomic_write_json
+    info = {"task": task, "output_dir": str(out.resolve()), "version": __version__}
+    trackers.start(ids, flatten(to_dict(cfg)), info, lambda started: atomic_write_json(out / RUN_IDS, started))
+    return trackers

@@ -1,0 +1,180 @@
+"""Experiment trackers for real (train/trackers.py): MLflow through a sqlite store and through an `mlflow server`
+started here, read back with MlflowClient; W&B in offline mode, its run file read back; a resumed run continues
+the same tracker run; a tracker whose server dies never stops training; a missing package or an unknown tracker
+is an error before any work. Nothing is mocked."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from distributed import cli_env, free_port
+
+from bertrain.config import from_dict
+from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+
+mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'bertrain[mlflow]'")
+
+
+def _config(out: Path, steps: int = 4, **metrics) -> PretrainConfig:
+    return from_dict(PretrainConfig, {
+        "model": {"preset": "tiny"}, "data": {"synthetic_samples": 64, "vocab_size": 100},
+        "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 8, "log_interval": 1},
+        "checkpoint": {"save_interval": 2}, "seed": 3, "output_dir": str(out), "metrics": metrics})
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(uri)
+
+
+def _runs(uri: str, experiment: str = "bertrain") -> list:
+    c = _client(uri)
+    return c.search_runs([c.get_experiment_by_name(experiment).experiment_id])
+
+
+def test_unknown_tracker_and_missing_package_are_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="metrics.report_to.*'neptune'.*tensorboard, mlflow, wandb"):
+        _config(tmp_path / "a", report_to=["neptune"])
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match=r"wandb package is not installed: pip install 'bertrain\[wandb\]'"):
+        _config(tmp_path / "a", report_to=["wandb"])
+    assert not (tmp_path / "a").exists()
+
+
+def test_mlflow_store_gets_config_records_results_and_artifacts_and_a_resume_continues_the_run(tmp_path: Path,
+                                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a sqlite store keeps artifacts in ./mlruns (MLflow's default)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "run"
+    run_pretraining(_config(out, 4, report_to=["mlflow"], mlflow_uri=uri, group="recipe-x"))
+    runs = _runs(uri)
+    child = next(r for r in runs if r.info.run_name == "run")
+    parent = next(r for r in runs if r.info.run_name == "recipe-x")
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id  # grouped under the recipe's run
+    assert child.data.params["optim.lr"] == "0.0001" and child.data.params["train.steps"] == "4"
+    assert child.data.tags["bertrain.task"] == "pretrain" and child.info.status == "FINISHED"
+    c = _client(uri)
+    history = [(m.step, m.value) for m in c.get_metric_history(child.info.run_id, "train/loss")]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert history == [(r["step"], r["loss"]) for r in records]  # every record, the same numbers
+    assert child.data.metrics["results/steps"] == 4
+    assert {a.path for a in c.list_artifacts(child.info.run_id)} >= {"final", "metrics.png", "results.json"}
+    assert json.loads((out / "trackers.json").read_text()) == {"mlflow": child.info.run_id}
+
+    # resumed for 2 more steps: the same MLflow run continues (its id is in the checkpoint)
+    run_pretraining(_config(out, 6, report_to=["mlflow"], mlflow_uri=uri, group="recipe-x"), resume="auto",
+                    allow_config_change=True)
+    assert len(_runs(uri)) == 2
+    steps = [m.step for m in c.get_metric_history(child.info.run_id, "train/loss")]
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
+
+
+def _wandb_records(folder: Path):
+    """The protobuf records of a W&B run file: a LevelDB-style log (a 7-byte header ':W&B', then 32 KiB blocks of
+    records, each with a 7-byte header: crc32, length, type FULL=1 FIRST=2 MIDDLE=3 LAST=4)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = Path(folder).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf, block = 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        if pos + 7 + length > len(data):  # a record still being written
+            return
+        buf += data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def test_wandb_offline_run_files_hold_config_history_results_and_artifacts(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'bertrain[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    run_pretraining(_config(out, 4, report_to=["wandb"], experiment="proj", group="recipe-x"))
+    run_id = json.loads((out / "trackers.json").read_text())["wandb"]
+    (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
+    deadline = time.time() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(path)):
+        # wandb-core writes the file in its own process: it is complete once its last record, exit, is in it
+        assert time.time() < deadline, f"{path} has no exit record"
+        time.sleep(0.1)
+    history, summary, artifacts, run = [], {}, [], None
+    for rec in _wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run = rec.run
+        elif kind == "history":
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == "summary":
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
+        elif kind == "artifact":
+            artifacts.append(rec.artifact.name)
+    assert run is not None, path
+    assert (run.run_id, run.project, run.run_group) == (run_id, "proj", "recipe-x")
+    config = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in run.config.update}
+    assert config["optim.lr"] == 0.0001 and config["task"] == "pretrain"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(h["_step"], h["train/loss"]) for h in history] == [(r["step"], r["loss"]) for r in records]
+    assert summary["results/steps"] == 4 and f"{run_id}-final" in artifacts
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{tmp_path / 'server.db'}", "--default-artifact-root",
+                             str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers",
+                             "1"], env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:  # ready when /health answers
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "mlflow server did not start"
+        time.sleep(0.2)
+    yield url, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_mlflow_server_run_and_a_server_that_dies_never_stops_training(tmp_path: Path, mlflow_server, caplog):
+    url, proc = mlflow_server
+    out = tmp_path / "run"
+    run_pretraining(_config(out, 4, report_to=["mlflow"], mlflow_uri=url))
+    (child,) = _runs(url)
+    assert [m.step for m in _client(url).get_metric_history(child.info.run_id, "train/loss")] == [1, 2, 3, 4]
+
+    os.killpg(proc.pid, signal.SIGKILL)  # the server is gone: the next run trains to the end all the same
+    proc.wait(30)
+    with caplog.at_level("WARNING"):
+        result = run_pretraining(_config(tmp_path / "run2", 4, report_to=["mlflow"], mlflow_uri=url))
+    assert result.state.step == 4 and (tmp_path / "run2" / "final" / "model.safetensors").is_file()
+    assert "tracker mlflow" in caplog.text
