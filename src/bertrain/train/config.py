@@ -276,6 +276,35 @@ class MetricsConfig:
         check_report_to(list(self.report_to))
 
 
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Run torch.profiler on a window of steps: a trace (TensorBoard / chrome://tracing / Perfetto) and a table of
+    the top operators in OUTPUT/profile/ (train/profiling.py)."""
+    start_step: int = 5
+    """Steps run before the window opens (compilation, allocator warm-up and the first loads are then over)."""
+    steps: int = 3
+    """Optimizer steps in the window."""
+    ranks: Literal["0", "all"] = "0"
+    """Profile rank 0 only, or every rank (each writes its own files)."""
+    memory: bool = False
+    """GPU: also a CUDA memory snapshot of the window (allocations with their stacks; open it at
+    https://pytorch.org/memory_viz)."""
+    record_shapes: bool = True
+    """Record operator input shapes (the table can then tell the matmuls apart)."""
+    with_stack: bool = False
+    """Record Python stacks (a bigger, slower trace)."""
+    top: int = 30
+    """Rows of the top-operators table."""
+
+    def __post_init__(self) -> None:
+        check_all([
+            lambda: check_positive("profile.start_step", self.start_step, allow_zero=True),
+            lambda: check_positive("profile.steps", self.steps),
+            lambda: check_positive("profile.top", self.top),
+        ])
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 @dataclass
@@ -393,6 +422,8 @@ class TrainerConfig:
     """Evaluation while training: when, the selection metric, the best model, early stopping."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Where records go beside metrics.jsonl: TensorBoard, MLflow, W&B."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler on a window of steady-state steps."""
     model_options: ModelOptionsConfig = field(default_factory=ModelOptionsConfig)
     """How the model runs: unpadding, jagged attention, gradient checkpointing, compile (same results)."""
     seed: int = 12345

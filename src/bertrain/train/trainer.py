@@ -58,6 +58,7 @@ from bertrain.train.metrics import MetricsLogger
 from bertrain.train.optim import build_optimizer
 from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model, is_sharded, meta_copy
 from bertrain.train.precision import Precision
+from bertrain.train.profiling import StepProfiler
 from bertrain.train.resume import find_resume_checkpoint, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
@@ -243,27 +244,37 @@ class _Run:
 
     def steps(self, stop: StopSignal, metrics_log: MetricsLogger,
               watchdog: Watchdog) -> tuple[bool, dict[str, Any]]:
-        """Optimizer steps until `total_steps` or a stop signal; returns (stopped_by_signal, last logged record)."""
+        """Optimizer steps until `total_steps`, a stop signal, an early stop or the time budget; returns
+        (stopped_by_signal, last logged record)."""
+        state, history = self.state, self.evaluator.history
+        clock, budget = self.states["clock"], self.cfg.train.max_time_s
+        if history.stop_reason:  # resumed from the checkpoint the run stopped early at: nothing left to do
+            log.info("the run stopped at step %d: %s", state.step, history.stop_reason)
+            return False, {}
+        if budget is not None and clock.elapsed() >= budget:  # resumed with no time left (the same on every rank)
+            self.stop_reason = f"no training time left: {clock.elapsed():.0f} s of train.max_time = " \
+                               f"{self.cfg.train.max_time} were spent before step {state.step}"
+            log.warning("%s", self.stop_reason)
+            return False, {}
+        clock.start()
+        profiler = StepProfiler(self.cfg.profile, self.dist, self.out)
+        try:
+            return self._loop(stop, metrics_log, watchdog, profiler)
+        finally:
+            profiler.finish()  # a run that ends inside the window still writes it
+
+    def _loop(self, stop: StopSignal, metrics_log: MetricsLogger, watchdog: Watchdog,
+              profiler: StepProfiler) -> tuple[bool, dict[str, Any]]:
         cfg, dist, state, plan = self.cfg, self.dist, self.state, self.plan
+        clock, budget, history = self.states["clock"], cfg.train.max_time_s, self.evaluator.history
         params = [p for p in self.model.parameters() if p.requires_grad]
         meter = Meter(self.task, dist.device)
         batches = iter(self.loader)
         empty_epochs = 0  # epochs in a row that ended before a single step: data too small for one global batch
         steps_this_epoch = 0
-        bar = tqdm(total=None if self.total_steps == NO_STEP_LIMIT else self.total_steps, initial=state.step, desc=self.task.name, unit="step",
-                   dynamic_ncols=True, disable=not _show_bar(dist))
+        bar = tqdm(total=None if self.total_steps == NO_STEP_LIMIT else self.total_steps, initial=state.step,
+                   desc=self.task.name, unit="step", dynamic_ncols=True, disable=not _show_bar(dist))
         last: dict[str, Any] = {}
-        history = self.evaluator.history
-        clock, budget = self.states["clock"], cfg.train.max_time_s
-        if budget is not None and clock.elapsed() >= budget:  # resumed with no time left (the same on every rank)
-            self.stop_reason = f"no training time left: {clock.elapsed():.0f} s of train.max_time = " \
-                               f"{cfg.train.max_time} were spent before step {state.step}"
-            log.warning("%s", self.stop_reason)
-            return False, last
-        clock.start()
-        if history.stop_reason:  # resumed from the checkpoint the run stopped early at: nothing left to do
-            log.info("the run stopped at step %d: %s", state.step, history.stop_reason)
-            return False, last
         while state.step < self.total_steps:
             t0 = time.perf_counter()
             micro_batches = take(batches, plan.accumulation)
@@ -282,6 +293,7 @@ class _Run:
                 steps_this_epoch = 0
                 continue
             steps_this_epoch += 1
+            profiler.step_begin(state.step)
             micro_batches = [to_device(trim_padding(mb) if cfg.train.trim_padding else mb, dist.device)
                              for mb in micro_batches]
             shares = self.forward_backward(micro_batches, flags["counts"], meter)
@@ -293,6 +305,7 @@ class _Run:
                 state.skipped_steps += 1
             state.step += 1
             state.samples += plan.global_batch_size
+            profiler.step_end(state.step)
             meter.add_step(shares, grad_norm, stepped)
             bar.update(1)
             out_of_time = budget is not None and flags["elapsed"] >= budget  # the first step past the budget

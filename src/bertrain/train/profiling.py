@@ -1,0 +1,83 @@
+"""torch.profiler on a window of steady-state steps (`profile:`): a Chrome/TensorBoard trace and a table of the
+top operators in OUTPUT/profile/, and on a GPU a CUDA memory snapshot (`profile.memory`).
+
+The window starts after `profile.start_step` steps (compilation, allocator warm-up and the first data loads are
+over by then) and covers `profile.steps` optimizer steps; rank 0 profiles, or every rank with `profile.ranks: all`
+(each writes its own files). Profiling slows the steps it covers, so their throughput in metrics.jsonl is not the
+run's; the steps themselves compute the same numbers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bertrain.train.config import ProfileConfig
+from bertrain.train.distributed import DistInfo
+from bertrain.utils.io import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PROFILE_DIR = "profile"
+
+
+class StepProfiler:
+    """`step_begin(step)` before each optimizer step, `step_end(step)` after it (step = steps done before it)."""
+
+    def __init__(self, cfg: ProfileConfig, dist: DistInfo, out: Path) -> None:
+        self.cfg, self.dist, self.out = cfg, dist, out / PROFILE_DIR
+        self.active = cfg.enabled and (cfg.ranks == "all" or dist.is_main)
+        self.cuda = dist.device.type == "cuda"
+        self.prof: Any = None
+        self.first = cfg.start_step  # the step count at which the window opens
+        self.last = cfg.start_step + cfg.steps
+
+    def step_begin(self, step: int) -> None:
+        if not self.active or step != self.first or self.prof is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            if self.cfg.memory:  # every allocation from here on, with its stack, for the snapshot
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.prof = torch.profiler.profile(activities=activities, record_shapes=self.cfg.record_shapes,
+                                           profile_memory=True, with_stack=self.cfg.with_stack)
+        self.prof.__enter__()
+        log.info("profiling steps %d-%d on rank %d", self.first + 1, self.last, self.dist.rank)
+
+    def step_end(self, step: int) -> None:
+        if self.prof is None:
+            return
+        self.prof.step()
+        if step >= self.last:
+            self.finish()
+
+    def finish(self) -> None:
+        """Stop and write the files (also when the run ends inside the window)."""
+        if self.prof is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        rank, window = self.dist.rank, f"steps{self.first + 1}-{self.last}"
+        # *.pt.trace.json: the name TensorBoard's profiler plugin looks for; chrome://tracing and Perfetto read it too
+        trace = self.out / f"rank{rank}.{window}.pt.trace.json"
+        partial = trace.with_name(f".{trace.name}.partial")
+        self.prof.export_chrome_trace(str(partial))
+        os.replace(partial, trace)  # whole or absent
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top)
+        atomic_write_text(self.out / f"rank{rank}.{window}.top-ops.txt", table + "\n")
+        written = [trace.name, f"rank{rank}.{window}.top-ops.txt"]
+        if self.cuda and self.cfg.memory:
+            snapshot = self.out / f"rank{rank}.{window}.memory-snapshot.pickle"  # https://pytorch.org/memory_viz
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            written.append(snapshot.name)
+        log.info("profile of steps %d-%d written to %s: %s", self.first + 1, self.last, self.out, ", ".join(written))
+        self.prof = None
+        self.active = False
