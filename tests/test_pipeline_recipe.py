@@ -210,3 +210,16 @@ def test_a_run_folder_of_another_command_is_refused(tmp_path, capsys):
     assert main(["run", str(DEFAULT), "--set", f"output_dir={out}"]) == 2
     assert f"run folder {out} holds the outputs of another command" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing started
+
+
+def test_stages_are_grouped_for_the_trackers_under_the_recipe_unless_it_says_otherwise(tmp_path) -> None:
+    from bertrain.pipeline.recipe import finetune_config, load_recipe, pretrain_config
+
+    recipe = load_recipe(Path("configs/recipes/pydoc-small.yaml"))
+    phase1 = pretrain_config(recipe, 1, tmp_path, tmp_path / "v.txt", tmp_path / "data", None)
+    tune = finetune_config(recipe, 0, tmp_path / "init", tmp_path / "finetune-x-pretrained-s1" / "out", 1,
+                           tmp_path / "task")
+    assert (phase1.metrics.group, phase1.metrics.run_name) == ("pydoc-small", "pretrain-phase1")
+    assert (tune.metrics.group, tune.metrics.run_name) == ("pydoc-small", "finetune-x-pretrained-s1")
+    mine = load_recipe(Path("configs/recipes/pydoc-small.yaml"), ["pretrain.metrics.group=sweep-7"])
+    assert pretrain_config(mine, 2, tmp_path, tmp_path / "v.txt", tmp_path / "data", None).metrics.group == "sweep-7"

@@ -202,6 +202,14 @@ def prepare_config(recipe: Recipe, run_dir: Path, vocab_file: Path) -> PrepareCo
         "do_lower_case": d.do_lower_case, "corpus": to_dict(d.corpus)})
 
 
+def _tracking(recipe: Recipe, sections: list[tuple[str, dict[str, Any]]], stage: str) -> dict[str, Any]:
+    """The trackers' grouping for a stage (`metrics.group` = the recipe's name: an MLflow parent run, a W&B group;
+    `metrics.run_name` = the stage), unless the recipe sets them."""
+    given = {k for _, section in sections for k in flatten(section)}
+    metrics = {k: v for k, v in (("group", recipe.name), ("run_name", stage)) if f"metrics.{k}" not in given}
+    return {"metrics": metrics} if metrics else {}
+
+
 def pretrain_config(recipe: Recipe, phase: int, run_dir: Path, vocab_file: Path, prepared: Path,
                     init: Path | None) -> PretrainConfig:
     section = recipe.phase1 if phase == 1 else (recipe.phase2 or {})
@@ -214,7 +222,9 @@ def pretrain_config(recipe: Recipe, phase: int, run_dir: Path, vocab_file: Path,
                 "checkpoint": {"export_final": True}}  # the next stage starts from final/
     if init is not None:
         pipeline["model"] = {"init": str(init)}
-    return engine_config(PretrainConfig, [("pretrain", recipe.pretrain), (f"phase{phase}", section)], pipeline)
+    sections = [("pretrain", recipe.pretrain), (f"phase{phase}", section)]
+    pipeline.update(_tracking(recipe, sections, f"pretrain-phase{phase}"))
+    return engine_config(PretrainConfig, sections, pipeline)
 
 
 # The one process group of `bertrain run` serves every stage, so the keys that create it cannot differ per stage.
@@ -263,6 +273,8 @@ def finetune_config(recipe: Recipe, index: int, init: Path, output_dir: Path, se
         for key, value in params.items():
             set_dotted(nested, key, value)
         sections.append((params_key, nested))
+    stage = output_dir.parent.name if output_dir.name == "out" else output_dir.name  # STAGE/out: the stage's name
+    pipeline.update(_tracking(recipe, sections, stage))
     return engine_config(cls, sections, pipeline)
 
 
