@@ -236,9 +236,9 @@ class Table:
 
     def _parquet_batches(self, columns: list[str], batch_rows: int) -> Iterator[Any]:
         """A row group's columns at a time, cut into batches. Why not `ParquetFile.iter_batches` over the file: on
-        a 60 MB file of 2.9 MB row groups Arrow's memory pool peaked at 66 MB with it (2.9 MB this way) and it took
-        twice as long (BENCHMARKS.md, data preparation). A row group larger than `_LARGE_ROW_GROUP` is streamed
-        through a buffered `iter_batches` of its own instead."""
+        a 60 MB file of 2.9 MB row groups Arrow's memory pool peaked at 66 MB with it, 4.5 MB this way, at the same
+        speed (BENCHMARKS.md, data preparation). A row group larger than `_LARGE_ROW_GROUP` is streamed through a
+        buffered `iter_batches` of its own instead."""
         meta = self._pq.metadata
         for i in range(meta.num_row_groups):
             if meta.row_group(i).total_byte_size > _LARGE_ROW_GROUP:
