@@ -21,6 +21,7 @@ import pytest
 
 import deploy_fixtures
 from bertrain.cli import main
+from bertrain.deploy.loadtest import metric
 from conftest import shared_file
 
 pytest.importorskip("fastapi", reason="needs the deploy extra: pip install 'bertrain[deploy]'")
@@ -272,16 +273,9 @@ def request(server, path: str, body: bytes | None = None, headers: dict | None =
 
 def scrape(server) -> dict:
     """GET /metrics parsed by prometheus-client's own parser: {(sample name, sorted labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from bertrain.deploy.loadtest import scrape_metrics
 
-    status, headers, body = request(server, "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain; version="), (status, headers)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
-
-
-def metric(m: dict, name: str, **labels) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+    return scrape_metrics(server.url, server.headers)
 
 
 def wait_for_metric(server, name: str, at_least: float, deadline_s: float = 30.0, **labels) -> dict:
@@ -533,6 +527,8 @@ def test_serving_beyond_loopback_needs_a_key(deploy_models, capsys, caplog, monk
 
 def test_metrics_count_requests_latency_batches_and_name_the_model(server, mrpc):
     items, _ = mrpc
+    status, headers, _ = request(server, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version="), headers
     before = scrape(server)
     assert request(server, "/predict", json.dumps(items[0]).encode())[0] == 200
     assert request(server, "/predict", json.dumps(items[1:4]).encode())[0] == 200
@@ -544,8 +540,9 @@ def test_metrics_count_requests_latency_batches_and_name_the_model(server, mrpc)
 
     assert grew("bertrain_requests_total", path="/predict", status="200") == 2
     assert grew("bertrain_requests_total", path="/predict", status="422") == 1
-    assert grew("bertrain_request_duration_seconds_count", path="/predict") == 3
-    assert grew("bertrain_request_duration_seconds_sum", path="/predict") > 0
+    assert grew("bertrain_request_duration_seconds_count", path="/predict", status="200") == 2
+    assert grew("bertrain_request_duration_seconds_count", path="/predict", status="422") == 1
+    assert grew("bertrain_request_duration_seconds_sum", path="/predict", status="200") > 0
     assert grew("bertrain_batch_items_sum") == 4 and grew("bertrain_batch_items_count") == 2
     assert grew("bertrain_batch_requests_count") == 2 and grew("bertrain_batch_duration_seconds_count") == 2
     assert metric(m, "bertrain_batch_items_bucket", le="4.0") - metric(before, "bertrain_batch_items_bucket",

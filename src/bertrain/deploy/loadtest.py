@@ -144,6 +144,21 @@ def _wait_healthy(url: str, deadline: float) -> None:
         time.sleep(0.1)
 
 
+def scrape_metrics(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
+    """The server's GET /metrics, read by prometheus-client's own parser: {(sample name, sorted labels): value}."""
+    httpx = require("httpx", "the load test")
+    parser = require("prometheus_client.parser", "reading GET /metrics")
+    r = httpx.get(f"{url}/metrics", headers=headers, timeout=60)
+    r.raise_for_status()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in parser.text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def metric(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """One sample of `scrape_metrics`'s answer (0 when the series does not exist yet)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 # ----------------------------------------------------------------------------------------------- the load
 
 @dataclass

@@ -363,7 +363,8 @@ class Metrics:
         self.requests = Counter("bertrain_requests", "HTTP requests by path and status (499: the client went away "
                                 "before its body arrived; never sent)", ["path", "status"], registry=r)
         self.latency = Histogram("bertrain_request_duration_seconds", "Time from the request head to the end of "
-                                 "the answer, by path", ["path"], buckets=latency, registry=r)
+                                 "the answer, by path and status (a refusal should take next to none)",
+                                 ["path", "status"], buckets=latency, registry=r)
         self.in_flight = Gauge("bertrain_requests_in_flight", "Requests being received, waiting or answered",
                                registry=r)
         self.batch_items = Histogram("bertrain_batch_items", "Items per model batch", buckets=sizes, registry=r)
@@ -420,7 +421,7 @@ class _Measured:
         finally:
             m.in_flight.dec()
             m.requests.labels(path, str(status)).inc()
-            m.latency.labels(path).observe(time.perf_counter() - t0)
+            m.latency.labels(path, str(status)).observe(time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------------------------- the app
