@@ -191,7 +191,8 @@ def test_glue_bad_columns_name_the_file_and_column(tmp_path):
 
 def test_finetune_glue_on_the_hub_folder_gives_the_tsv_run(tmp_path, tiny_model, capsys):
     """`bertrain finetune glue --data-dir` on the Hub's Parquet folder and on a `datasets` folder: the dev
-    metrics and the dev predictions of the TSV run (the fine-tuning code is the same; only the layout is read)."""
+    metrics, the dev predictions and the GLUE-server submission of the TSV run (the fine-tuning code is the same;
+    only the layout is read)."""
     tsv_dir = shared_file("glue/MRPC/train.tsv").parent
     splits = hub_glue(tsv_dir, "mrpc")
     write_hub_parquet(splits, tmp_path / "hub" / "mrpc")
@@ -201,10 +202,10 @@ def test_finetune_glue_on_the_hub_folder_gives_the_tsv_run(tmp_path, tiny_model,
         out = tmp_path / f"run-{name}"
         assert main(["finetune", "glue", "--task", "mrpc", "--data-dir", str(data_dir), "--init", str(tiny_model),
                      "--output", str(out), "--train.steps", "3", "--data.max_train_examples", "48",
-                     "--data.max_seq_length", "32", "--data.predict_test", "false", *TINY]) == 0
+                     "--data.max_seq_length", "32", *TINY]) == 0
         capsys.readouterr()
         results[name] = (json.loads((out / "eval_results.json").read_text())["dev"],
-                         (out / "dev_predictions.tsv").read_bytes())
+                         (out / "dev_predictions.tsv").read_bytes(), (out / "MRPC.tsv").read_bytes())
     assert results["tsv"][0]["examples"] == 408
     assert results["hub"] == results["tsv"] and results["saved"] == results["tsv"]
 

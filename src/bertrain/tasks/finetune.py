@@ -25,8 +25,8 @@ from bertrain.model.losses import classification_loss_sums, qa_loss_sums
 from bertrain.model.options import apply_model_options
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.evaluate import distributed_forward
-from bertrain.tasks.glue import (build_features as glue_features, get_task, read_split, write_dev_predictions,
-                                 write_submission)
+from bertrain.tasks.glue import (build_features as glue_features, get_task, has_split, read_split,
+                                 write_dev_predictions, write_submission)
 from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics
 from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, apply_null_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
@@ -473,8 +473,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                     results[split_name]["majority_baseline_accuracy"] = float(counts.max() / counts.sum())
                 log.info("%s %s: %s", task.name, split_name, results[split_name])
         if d.predict_test:
-            test_files = [Path(d.data_dir) / fn for _, fn in task.test_files]
-            if all(p.is_file() for p in test_files):
+            if has_split(d.data_dir, task, "test"):  # TSV, the Hub's Parquet or a datasets folder
                 for (split_name, examples), sub in zip(read_split(d.data_dir, task, "test"), task.submission):
                     _, preds = predict(examples)
                     on_rank0("write the test submission",

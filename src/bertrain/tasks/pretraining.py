@@ -98,6 +98,8 @@ class DataConfig:
     """Lower-case and strip accents (uncased BERT)."""
     encoding: str = "utf-8"
     """Text encoding of raw `input` files (e.g. latin-1 for legacy text; UTF-8 is strict: a binary file is refused)."""
+    text_column: str = "text"
+    """Raw `input` as JSONL, Parquet or a `datasets` folder: the field / column holding a document's text."""
     masking: Literal["dynamic", "static"] = "dynamic"
     """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
     dupe_factor: int = 5
@@ -268,7 +270,7 @@ def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
     """(data dir, vocab file) under the output folder, building what is missing (`bertrain.data.build`, the
     routine of the pipeline's vocab and prepare stages too); call it on rank 0 only."""
     d, out = cfg.data, Path(cfg.output_dir)
-    corpus = CorpusConfig(encoding=d.encoding)
+    corpus = CorpusConfig(encoding=d.encoding, text_field=d.text_column)
     if d.vocab_file:
         vocab_file = Path(d.vocab_file)
         if not vocab_file.is_file():
