@@ -116,7 +116,7 @@ def test_deploy_says_its_imports_at_the_top():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if node.level or any(n == "bertrain" or n.startswith("bertrain.") for n in names):
+                if getattr(node, "level", 0) or any(n == "bertrain" or n.startswith("bertrain.") for n in names):
                     late.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
     assert not late, "\n".join(late)
 
