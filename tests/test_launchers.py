@@ -246,7 +246,9 @@ def test_slurm_batch_script_without_srun_is_refused(setup: dict[str, Path]) -> N
 # ------------------------------------------------------------------------------------------------ torchrun
 
 def agents(words: list[str], port: int, config: Path, out: Path, n: int = 2) -> list[subprocess.Popen]:
-    """`n` torchrun agents on this host, as on `n` nodes: the README line with --node-rank i for agent i."""
+    """`n` torchrun agents on this host, as on `n` nodes: the README line with --node-rank i for agent i. The others
+    start once the first listens on `port`: it hosts the rendezvous store (the c10d rendezvous makes host whichever
+    agent binds the port first, and the shrink test kills the second)."""
     procs = []
     for i in range(n):
         argv = port_for(words, port)
@@ -254,8 +256,32 @@ def agents(words: list[str], port: int, config: Path, out: Path, n: int = 2) -> 
             argv[argv.index("--node-rank") + 1] = str(i)
         procs.append(subprocess.Popen(argv + ["-m", "bertrain", *pretrain_argv(config, out)], env=env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
-        time.sleep(1)  # the first agent hosts the rendezvous store
+        if i == 0 and n > 1:
+            wait_listening(port, procs[0])
     return procs
+
+
+def listening(port: int) -> bool:
+    """Whether a socket on this host listens on TCP `port`, from /proc/net (state 0A), IPv4 or IPv6."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:  # no IPv6
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local_address (hex ip:port), rem_address, st, ...
+            local, state = fields[1], fields[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not listening(port):
+        assert proc.poll() is None, f"the first agent ended ({proc.returncode}) before it listened on port {port}"
+        assert time.monotonic() < deadline, f"nothing listens on port {port} after {timeout} s"
+        time.sleep(0.05)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[str]:

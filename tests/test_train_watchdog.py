@@ -26,7 +26,8 @@ from distributed import cli_env, free_port, rank_env, spawn
 
 from bertrain.train.config import DistributedConfig
 from bertrain.train.distributed import DistInfo
-from bertrain.train.heartbeat import HeartbeatMonitor, heartbeat_value
+from bertrain.train import heartbeat as heartbeat_module
+from bertrain.train.heartbeat import Heartbeat, HeartbeatMonitor, heartbeat_value
 from bertrain.train.watchdog import (
     RankLost, StopSignal, Watchdog, collective_error, hang_message, last_complete_checkpoint, lost_message,
     resume_hint,
@@ -153,16 +154,47 @@ def test_messages() -> None:
     assert RankLost("x").exit_code == EXIT_FAILED
 
 
-def test_config_defaults_and_checks() -> None:
-    cfg = DistributedConfig()
-    assert cfg.timeout_s == 300 and cfg.heartbeat_timeout_s < cfg.timeout_s and cfg.stop_grace_s > 0
-    with pytest.raises(ValueError, match="heartbeat_timeout_s.*twice distributed.heartbeat_interval_s"):
+def test_heartbeat_and_grace_settings_that_cannot_work_are_refused_naming_the_key() -> None:
+    # a healthy rank would be reported silent between two of its heartbeats
+    with pytest.raises(ValueError, match="'distributed.heartbeat_timeout_s' \\(6\\) must be at least twice "
+                                         "distributed.heartbeat_interval_s \\(5\\)"):
         DistributedConfig(heartbeat_interval_s=5, heartbeat_timeout_s=6)
-    with pytest.raises(ValueError, match="must not exceed distributed.timeout_s"):
+    # the collective would fail before the heartbeat names the silent rank (the default heartbeat timeout too)
+    with pytest.raises(ValueError, match="'distributed.heartbeat_timeout_s' \\(60\\) must not exceed "
+                                         "distributed.timeout_s \\(30\\)"):
         DistributedConfig(timeout_s=30)
-    with pytest.raises(ValueError, match="stop_grace_s"):
+    with pytest.raises(ValueError, match="'distributed.stop_grace_s' must be > 0"):
         DistributedConfig(stop_grace_s=0)
     assert DistributedConfig(timeout_s=30, heartbeat_timeout_s=0).heartbeat_timeout_s == 0  # heartbeat off
+
+
+def _timeout_worker(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as torch_dist
+    from bertrain.train.distributed import distributed_context, heartbeat_store
+    cfg = DistributedConfig(backend="gloo", device="cpu", timeout_s=2, heartbeat_timeout_s=0)
+    with distributed_context(cfg):
+        seen = {"store_timeout_s": heartbeat_store(cfg.timeout_s).timeout.total_seconds()}
+        deadline = time.monotonic() + 30
+        while rank == 0 and not Path(out, "rank1.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 1 waits for rank 0 in the all-reduce: until it gave up, or for 30 s
+        t0 = time.monotonic()
+        try:
+            torch_dist.all_reduce(torch.ones(1))
+            seen["error"] = None
+        except Exception as e:
+            seen["error"] = collective_error(e) or repr(e)
+        seen["waited_s"] = time.monotonic() - t0
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+def test_a_collective_fails_after_the_configured_timeout(tmp_path: Path) -> None:
+    """distributed.timeout_s is the process group's own timeout (torch's default would wait 1800 s) and the
+    heartbeat's store connection's."""
+    spawn(_timeout_worker, 2, str(tmp_path))
+    waiting = json.loads((tmp_path / "rank1.json").read_text())
+    assert waiting["error"] == "timed out" and 1.5 < waiting["waited_s"] < 15, waiting
+    assert waiting["store_timeout_s"] == 2
 
 
 # ----------------------------------------------------------------------------------------------- the signal thread
@@ -258,6 +290,59 @@ def test_a_forked_child_does_not_signal_into_the_parents_watchdog(tmp_path: Path
         time.sleep(0.3)
         assert not stop.requested
     assert exits.codes == []
+
+
+# ----------------------------------------------------------------------------------------------- leaving the store
+
+class SlowStore:
+    """A rendezvous store whose reads take `delay` seconds (None: until `release`), like a loaded or a frozen rank 0;
+    `reading` is set once a read has begun."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay, self.values = delay, {}
+        self.reading, self.release = threading.Event(), threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        self.reading.set()
+        self.release.wait(self.delay)
+        return all(k in self.values for k in keys)
+
+
+def heartbeat_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "bertrain-heartbeat"]
+
+
+def test_the_heartbeat_leaves_a_slow_store_before_the_rank_goes_on_and_a_frozen_one_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread still inside a store call when the interpreter shuts down aborts the process ("terminate called
+    without an active exception"): `join` waits for a store that answers, however slowly (here longer than the fixed
+    2 s the watchdog once gave it), and leaves behind only a thread waiting on a rank 0 silent for two intervals."""
+    rank1 = DistInfo(1, 2, 1, torch.device("cpu"), False)
+    slow = SlowStore(delay=2.5)
+    monkeypatch.setattr(heartbeat_module, "heartbeat_store", lambda timeout_s: slow)
+    heartbeat = Heartbeat.start(rank1, DistributedConfig(timeout_s=60, heartbeat_interval_s=2, heartbeat_timeout_s=4))
+    assert heartbeat is not None and slow.reading.wait(timeout=30)
+    heartbeat.stop("done")
+    heartbeat.join()
+    assert heartbeat_threads() == []
+    assert json.loads(slow.values["bertrain/hb/1"])["status"] == "done"  # its last word, after the read
+
+    frozen = SlowStore(delay=None)
+    monkeypatch.setattr(heartbeat_module, "heartbeat_store", lambda timeout_s: frozen)
+    cfg = DistributedConfig(timeout_s=60, heartbeat_interval_s=0.5, heartbeat_timeout_s=1)
+    heartbeat = Heartbeat.start(rank1, cfg)
+    assert heartbeat is not None and frozen.reading.wait(timeout=30)
+    heartbeat.stop("done")
+    t0 = time.monotonic()
+    heartbeat.join()
+    assert time.monotonic() - t0 < 2 * cfg.heartbeat_interval_s + 2 and len(heartbeat_threads()) == 1
+    frozen.release.set()  # rank 0 runs again: the thread leaves, and says its last word
+    for t in heartbeat_threads():
+        t.join(timeout=30)
+    assert heartbeat_threads() == [] and json.loads(frozen.values["bertrain/hb/1"])["status"] == "done"
 
 
 # ----------------------------------------------------------------------------------------------- long barrier

@@ -1,22 +1,32 @@
-"""Heartbeats: how a rank notices another that stopped answering (run by `bertrain.train.watchdog.Watchdog`).
+"""Heartbeats: how a rank notices another that stopped answering (started by `bertrain.train.watchdog.Watchdog`).
 
 Every `distributed.heartbeat_interval_s` each rank writes a heartbeat (`heartbeat_value`: a counter, its step, pid
 and host, and its status) under `HEARTBEAT_KEY` in the rendezvous store; rank 0 watches every rank, the others watch
-rank 0. `HeartbeatMonitor` keeps what a watcher knows of each rank (`Peer`) and says, by the watcher's own clock (no
-clock skew), which rank has been silent for `distributed.heartbeat_timeout_s`, which failed, and when the store itself
-is gone. Pure: no threads of its own, no store I/O.
+rank 0.
+
+* `HeartbeatMonitor` keeps what a watcher knows of each rank (`Peer`) and says, by the watcher's own clock (no clock
+  skew), which rank has been silent for `distributed.heartbeat_timeout_s`, which failed, and when the store itself
+  is gone. Pure: no threads of its own, no store I/O.
+* `Heartbeat` is the I/O around it: the thread that writes this rank's heartbeat and reads the watched ones (on its
+  own connection to the store), this rank's last word when it leaves ("done", or "failed" with its error), and
+  `culprits`: the ranks to name when a collective fails, probing the store when none is known yet.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from bertrain.train.distributed import rank_identities
+from bertrain.train.config import DistributedConfig
+from bertrain.train.distributed import DistInfo, heartbeat_store, rank_identities
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_KEY = "bertrain/hb/{rank}"
 
@@ -129,6 +139,196 @@ class HeartbeatMonitor:
                 failed.insert(0, f"{self.peers[self.store_host].name()} is gone (its rendezvous store: "
                                  f"{self.store_lost})")
         return failed + silent
+
+
+class Heartbeat:
+    """This rank's heartbeat (thread "bertrain-heartbeat"): `start` it, `check` from a watching thread, `culprits`
+    when a collective fails, `stop` with this rank's last word and `join`. See the module docstring.
+
+    Its threads leave the store before `join` and `culprits` return, unless the store stopped answering
+    (`_wait_out`): a thread still inside a store call when the interpreter shuts down aborts the process."""
+
+    def __init__(self, dist: DistInfo, cfg: DistributedConfig, store: Any, step: int = 0) -> None:
+        self.dist, self.cfg, self._store = dist, cfg, store
+        self.step = step
+        """The last step this rank finished (set by `Watchdog.step_done`), written in each heartbeat."""
+        rank, world = dist.rank, dist.world_size
+        watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
+        self.monitor = HeartbeatMonitor(watched, cfg.heartbeat_timeout_s, cfg.timeout_s, time.monotonic(),
+                                        store_host=0, identities=dict(enumerate(rank_identities())))
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beat = 0
+        self._in_store: dict[int, float] = {}
+        """Since when each thread (by ident) now inside a store call entered it."""
+        self._last_read = time.monotonic()
+        self._store_broken = False
+        self._final: tuple[str, str | None] | None = None
+
+    @classmethod
+    def start(cls, dist: DistInfo, cfg: DistributedConfig, step: int = 0) -> "Heartbeat | None":
+        """This rank's heartbeat, running; None in a single process, with `heartbeat_timeout_s` 0, or without a
+        usable store (no heartbeat is better than no training). `step` is the last step finished."""
+        if dist.world_size == 1 or cfg.heartbeat_timeout_s <= 0:
+            return None
+        try:
+            store = heartbeat_store(cfg.timeout_s)
+            if store is None:
+                return None
+            store.set(HEARTBEAT_KEY.format(rank=dist.rank), heartbeat_value(0, step))
+        except Exception as e:
+            log.warning("no heartbeat: cannot use the rendezvous store (%s)", first_line(e))
+            return None
+        heartbeat = cls(dist, cfg, store, step)
+        heartbeat._thread = threading.Thread(target=heartbeat._loop, name="bertrain-heartbeat", daemon=True)
+        heartbeat._thread.start()
+        return heartbeat
+
+    def stop(self, status: str, failure: str | None = None) -> None:
+        """Stop beating; the thread's last heartbeat says `status` ("done" or "failed", with `failure`)."""
+        self._final = (status, failure)
+        self._closing.set()
+
+    def join(self) -> None:
+        """Wait until the thread has written the last word and ended (after `stop`)."""
+        if self._thread is not None:
+            self._wait_out(self._thread)
+
+    def _loop(self) -> None:
+        present: set[int] = set()
+        while not self._closing.wait(self.cfg.heartbeat_interval_s):
+            try:
+                self._beat += 1
+                with self._using_store():
+                    self._store.set(HEARTBEAT_KEY.format(rank=self.dist.rank),
+                                    heartbeat_value(self._beat, self.step))
+                    values = self._read(list(self.monitor.peers), present)
+                now = self._last_read = time.monotonic()
+                for r, raw in values.items():
+                    for level, line in self.monitor.observe(r, raw, now):
+                        log.log(level, "%s", line)
+            except Exception as e:  # stop using a store that failed: its connection may be out of step
+                self._store_broken = True
+                if not is_timeout(e):  # an error, not a wait: the process holding the store is gone
+                    for level, line in self.monitor.lose_store(first_line(e)):
+                        log.log(level, "%s", line)
+                return
+        self._write_final()
+
+    def _read(self, ranks: list[int], present: set[int]) -> dict[int, bytes]:
+        """Heartbeat values of `ranks` (a missing key is checked first: reading one would block)."""
+        for r in ranks:
+            if r not in present and self._store.check([HEARTBEAT_KEY.format(rank=r)]):
+                present.add(r)
+        have = sorted(r for r in ranks if r in present)
+        if not have:
+            return {}
+        raws = self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in have])
+        return {r: bytes(v) for r, v in zip(have, raws)}
+
+    def _write_final(self) -> None:
+        """The last heartbeat: "done" (not silent: finished) or "failed" with this rank's error."""
+        if self._final is None or self._store_broken:
+            return
+        status, failure = self._final
+        try:
+            with self._using_store():
+                self._store.set(HEARTBEAT_KEY.format(rank=self.dist.rank),
+                                heartbeat_value(self._beat + 1, self.step, status, failure))
+        except Exception as e:
+            log.debug("heartbeat: final write failed: %s", e)
+
+    @contextlib.contextmanager
+    def _using_store(self) -> Iterator[None]:
+        me = threading.get_ident()
+        self._in_store[me] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._in_store[me]
+
+    def _stuck(self, thread: threading.Thread | None, now: float) -> bool:
+        """`thread` has waited inside a store call for more than two intervals: the store lives in rank 0, and a
+        store that does not reply is a rank 0 that does not run (frozen, swapped out). Such a call returns only
+        once rank 0 runs again or is gone, whatever the store's timeout."""
+        since = self._in_store.get(thread.ident) if thread is not None and thread.ident is not None else None
+        return since is not None and now - since > 2 * self.cfg.heartbeat_interval_s
+
+    def _wait_out(self, thread: threading.Thread) -> None:
+        """Join `thread` until it has ended, or until it is `_stuck` in the store.
+
+        No fixed timeout: a daemon thread still inside a store call when the interpreter shuts down aborts the
+        process ("terminate called without an active exception": torch releases the GIL around the call and takes
+        it back in a noexcept destructor, where a finalizing interpreter ends the thread). A store that answers is
+        waited for however loaded the machine; a stuck thread is left behind, as its call will not return before
+        rank 0 runs again."""
+        while thread.is_alive() and not self._stuck(thread, time.monotonic()):
+            thread.join(timeout=0.05)
+
+    def _horizon(self, now: float) -> float:
+        """Up to when this rank has looked at the heartbeats: its last completed read, or now while the thread is
+        `_stuck` in the store. So a rank that was itself frozen does not, once thawed, accuse the others."""
+        if self._store_broken or self._stuck(self._thread, now):
+            return now
+        return self._last_read
+
+    def check(self, now: float) -> None:
+        """Log the ranks that went silent (each once), by what this rank has seen up to `now`."""
+        for level, line in self.monitor.check(self._horizon(now)):
+            log.log(level, "%s", line)
+
+    def culprits(self, probe: bool) -> list[str]:
+        """The ranks known to have failed or gone silent; with `probe`, when none is known, read every rank's
+        heartbeat twice 1.5 intervals apart (in a helper thread, left behind if `_stuck`: the store may be frozen
+        too)."""
+        known = self.monitor.culprits(self._horizon(time.monotonic()))
+        if known or not probe or self._store_broken:
+            return known
+        found: list[str] = []
+        ranks = [r for r in range(self.dist.world_size) if r != self.dist.rank]
+
+        def read(store: Any) -> dict[int, dict[str, Any]]:
+            out = {}
+            for r in ranks:
+                key = HEARTBEAT_KEY.format(rank=r)
+                out[r] = json.loads(bytes(store.get(key))) if store.check([key]) else {}
+            return out
+
+        def run() -> None:
+            try:
+                store = self._store  # this connection: a new one to a dead store would retry for the timeout
+                with self._using_store():
+                    first = read(store)
+                found.extend(f"{describe(r, info)} failed: {info['failure']}" for r, info in first.items()
+                             if info.get("failure"))
+                if found:
+                    return
+                time.sleep(self.cfg.heartbeat_interval_s * 1.5)
+                with self._using_store():
+                    second = read(store)
+                found.extend(f"{describe(r, info)} stopped answering (its heartbeat stopped: crashed, killed or "
+                             "frozen?)" for r, info in second.items()
+                             if info == first[r] and info.get("status", "running") == "running")
+            except Exception as e:
+                self._store_broken = True
+                if not is_timeout(e):
+                    self.monitor.lose_store(first_line(e))
+                found.extend(self.monitor.culprits(time.monotonic()))
+
+        t = threading.Thread(target=run, name="bertrain-watchdog-probe", daemon=True)
+        t.start()
+        self._wait_out(t)
+        return list(found)
+
+
+def is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:160]
 
 
 def describe(rank: int, info: dict[str, Any]) -> str:

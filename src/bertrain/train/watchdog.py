@@ -11,11 +11,12 @@ rank saves the same step and exits.
   stop flag, and if the loop has not reached its next step boundary `distributed.stop_grace_s` later, logs one line
   (the rank that stopped answering if known, the last complete checkpoint) and exits with `EXIT_STOPPED`. A second
   SIGINT exits at once the same way.
-* **A rank that stopped answering** (`bertrain.train.heartbeat`). Every `distributed.heartbeat_interval_s` each
-  rank writes a heartbeat (a counter, its step, pid and host) to the rendezvous store; rank 0 watches every rank,
-  the others watch rank 0. A heartbeat unchanged for `distributed.heartbeat_timeout_s` (by the watcher's own
-  clock: no clock skew) is reported once, naming the rank, its pid and host; a rank that fails with an exception
-  says so in its heartbeat. A SIGSTOPped or swapped-out process's threads stop too, so its heartbeat goes stale.
+* **A rank that stopped answering** (`bertrain.train.heartbeat.Heartbeat`, started and watched from here). Every
+  `distributed.heartbeat_interval_s` each rank writes a heartbeat (a counter, its step, pid and host) to the
+  rendezvous store; rank 0 watches every rank, the others watch rank 0. A heartbeat unchanged for
+  `distributed.heartbeat_timeout_s` (by the watcher's own clock: no clock skew) is reported once, naming the rank,
+  its pid and host; a rank that fails with an exception says so in its heartbeat. A SIGSTOPped or swapped-out
+  process's threads stop too, so its heartbeat goes stale.
 * **A collective that failed** (gloo's timeout after `distributed.timeout_s`, a peer's connection closed): leaving
   the `with` block turns it into `RankLost`, one line naming the rank that stopped answering (if known) and the
   last complete checkpoint, instead of gloo's 80-line traceback.
@@ -26,12 +27,11 @@ expects. A collective that failed without any signal is `RankLost.exit_code` = `
 (a rank crashed or froze) and needs a look; and since `srun` reports the highest exit code of a job's tasks and
 torchrun the first failure, the survivors of a crashed rank (1, traceback) must not claim a clean stop (3).
 
-The per-step cost is one attribute write (`step_done`); at world size 1 there is no heartbeat, only the signal
+The per-step cost is a few attribute writes (`step_done`); at world size 1 there is no heartbeat, only the signal
 thread, which sleeps in `select`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -44,8 +44,8 @@ from typing import Any, Callable
 
 from bertrain.train.checkpoint import COMPLETE, list_checkpoints
 from bertrain.train.config import DistributedConfig
-from bertrain.train.distributed import DistInfo, heartbeat_store, rank_identities
-from bertrain.train.heartbeat import HEARTBEAT_KEY, HeartbeatMonitor, describe, heartbeat_value
+from bertrain.train.distributed import DistInfo
+from bertrain.train.heartbeat import Heartbeat
 from bertrain.utils.errors import EXIT_FAILED, EXIT_STOPPED
 
 log = logging.getLogger(__name__)
@@ -210,17 +210,23 @@ def _flush_logs() -> None:
 
 class Watchdog:
     """`with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, output_dir) as watchdog:` around the step
-    loop; `watchdog.step_done(step)` once per step, at the end of the step (after its periodic save)."""
+    loop; `watchdog.step_done(step)` once per step, at the end of the step (after its periodic save).
+
+    Its thread ("bertrain-watchdog") handles the signals and the stop grace, and logs what the rank's `Heartbeat`
+    (`bertrain.train.heartbeat`, multi-process runs) has seen; leaving the block turns a failed collective into
+    `RankLost`."""
 
     def __init__(self, dist: DistInfo, cfg: DistributedConfig, stop: StopSignal, output_dir: str | Path,
                  exit_fn: Callable[[int], None] = os._exit) -> None:
         self.dist, self.cfg, self.stop, self.output_dir = dist, cfg, stop, Path(output_dir)
         self.step = 0
         """The last step finished (`step_done`)."""
+        self.heartbeat: Heartbeat | None = None
+        """This rank's heartbeat while the block runs (None at world size 1, or with the heartbeat off)."""
         self._boundaries = 0
         self._exit_fn = exit_fn
         self._closing = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
         self._rfd = self._wfd = -1
         self._previous_wakeup: int | None = None
         self._deliveries = 0
@@ -228,13 +234,6 @@ class Watchdog:
         self._boundaries_at_stop = 0
         self._grace_over = False
         self._exited = False
-        self.monitor: HeartbeatMonitor | None = None
-        self._store: Any = None
-        self._beat = 0
-        self._store_busy_since: float | None = None
-        self._last_read = 0.0
-        self._store_broken = False
-        self._final: tuple[str, str | None] | None = None
 
     # -- the trainer's side
 
@@ -242,6 +241,8 @@ class Watchdog:
         """A step boundary: the step finished (and its periodic checkpoint, if any, is written)."""
         self.step = step
         self._boundaries += 1
+        if self.heartbeat is not None:
+            self.heartbeat.step = step
 
     def explain(self, exc: BaseException) -> str | None:
         """One line for a failed collective (who stopped answering, the last complete checkpoint), or None if
@@ -263,25 +264,28 @@ class Watchdog:
             self._previous_wakeup = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
             _ACTIVE_FDS[:] = [self._rfd, self._wfd]
             self.stop.watched = True
-        if self.dist.world_size > 1 and self.cfg.heartbeat_timeout_s > 0:
-            self._start_heartbeat()
-        if self._rfd >= 0 or self.monitor is not None:
-            self._spawn(self._watch_loop, "bertrain-watchdog")
+        self.heartbeat = Heartbeat.start(self.dist, self.cfg, self.step)
+        if self._rfd >= 0 or self.heartbeat is not None:
+            self._thread = threading.Thread(target=self._watch_loop, name="bertrain-watchdog", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if self._store is not None:
+        final: tuple[str, str | None] = ("done", None)
+        if exc is not None:
             failure = None
-            if exc is not None and collective_error(exc) is None:
+            if collective_error(exc) is None:
                 failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:300] if str(exc) else type(exc).__name__
-            self._final = ("failed" if exc is not None else "done", failure)
+            final = ("failed", failure)
         message = self.explain(exc) if exc is not None else None
-        self._close()
+        self._close(final)
         if message is not None:
             raise RankLost(message, last_complete_checkpoint(self.output_dir)) from exc
 
-    def _close(self) -> None:
+    def _close(self, final: tuple[str, str | None]) -> None:
         self._closing.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop(*final)
         if self._rfd >= 0:
             signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
             self.stop.watched = False
@@ -289,18 +293,18 @@ class Watchdog:
                 os.write(self._wfd, b"\0")  # wake the thread
             except OSError:
                 pass
-        for t in self._threads:
-            t.join(timeout=2.0)
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)  # it makes no torch call: left behind, it cannot abort the exit
+        if self.heartbeat is not None:
+            self.heartbeat.join()
         if self._rfd >= 0:
             _ACTIVE_FDS.clear()
             for fd in (self._rfd, self._wfd):
                 os.close(fd)
             self._rfd = self._wfd = -1
 
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
+    def _culprits(self, probe: bool) -> list[str]:
+        return self.heartbeat.culprits(probe) if self.heartbeat is not None else []
 
     # -- signals and the grace period (thread "bertrain-watchdog")
 
@@ -319,10 +323,11 @@ class Watchdog:
                         self._on_signal(signum)
                 now = time.monotonic()
                 self._check_grace(now)
-                self._check_peers(now)
+                if self.heartbeat is not None:
+                    self.heartbeat.check(now)
             except Exception:  # the watchdog must never take the run down by itself
                 log.debug("watchdog loop error", exc_info=True)
-                if self._rfd < 0 and self.monitor is None:
+                if self._rfd < 0 and self.heartbeat is None:
                     return
                 time.sleep(1.0)
 
@@ -375,137 +380,3 @@ class Watchdog:
         t.start()
         t.join(timeout=5.0)
         self._exit_fn(code)
-
-    # -- heartbeat (thread "bertrain-heartbeat")
-
-    def _start_heartbeat(self) -> None:
-        rank, world = self.dist.rank, self.dist.world_size
-        try:
-            store = heartbeat_store(self.cfg.timeout_s)
-            if store is None:
-                return
-            store.set(HEARTBEAT_KEY.format(rank=rank), heartbeat_value(0, self.step))
-        except Exception as e:  # no heartbeat is better than no training
-            log.warning("no heartbeat: cannot use the rendezvous store (%s)", _first_line(e))
-            return
-        self._store = store
-        watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
-        self.monitor = HeartbeatMonitor(watched, self.cfg.heartbeat_timeout_s, self.cfg.timeout_s, time.monotonic(),
-                                        store_host=0, identities=dict(enumerate(rank_identities())))
-        self._last_read = time.monotonic()
-        self._spawn(self._heartbeat_loop, "bertrain-heartbeat")
-
-    def _heartbeat_loop(self) -> None:
-        present: set[int] = set()
-        assert self.monitor is not None
-        while not self._closing.wait(self.cfg.heartbeat_interval_s):
-            try:
-                self._store_busy_since = time.monotonic()
-                self._beat += 1
-                self._store.set(HEARTBEAT_KEY.format(rank=self.dist.rank), heartbeat_value(self._beat, self.step))
-                values = self._read(list(self.monitor.peers), present)
-                now = self._last_read = time.monotonic()
-                self._store_busy_since = None
-                for r, raw in values.items():
-                    for level, line in self.monitor.observe(r, raw, now):
-                        log.log(level, "%s", line)
-            except Exception as e:  # stop using a store that failed: its connection may be out of step
-                self._store_busy_since = None
-                self._store_broken = True
-                if not _is_timeout(e):  # an error, not a wait: the process holding the store is gone
-                    for level, line in self.monitor.lose_store(_first_line(e)):
-                        log.log(level, "%s", line)
-                return
-        self._write_final()
-
-    def _read(self, ranks: list[int], present: set[int]) -> dict[int, bytes]:
-        """Heartbeat values of `ranks` (a missing key is checked first: reading one would block)."""
-        for r in ranks:
-            if r not in present and self._store.check([HEARTBEAT_KEY.format(rank=r)]):
-                present.add(r)
-        have = sorted(r for r in ranks if r in present)
-        if not have:
-            return {}
-        raws = self._store.multi_get([HEARTBEAT_KEY.format(rank=r) for r in have])
-        return {r: bytes(v) for r, v in zip(have, raws)}
-
-    def _write_final(self) -> None:
-        """The last heartbeat: "done" (not silent: finished) or "failed" with this rank's error."""
-        if self._final is None or self._store_broken:
-            return
-        status, failure = self._final
-        try:
-            self._store.set(HEARTBEAT_KEY.format(rank=self.dist.rank),
-                            heartbeat_value(self._beat + 1, self.step, status, failure))
-        except Exception as e:
-            log.debug("heartbeat: final write failed: %s", e)
-
-    def _horizon(self, now: float) -> float:
-        """Up to when this rank has looked at the heartbeats: its last completed read, or now while a read has been
-        waiting for more than two intervals (the store lives in rank 0: a store that does not reply is a rank 0
-        that does not run). So a rank that was itself frozen does not, once thawed, accuse the others."""
-        busy = self._store_busy_since
-        if self._store_broken or (busy is not None and now - busy > 2 * self.cfg.heartbeat_interval_s):
-            return now
-        return self._last_read
-
-    def _check_peers(self, now: float) -> None:
-        if self.monitor is None:
-            return
-        for level, line in self.monitor.check(self._horizon(now)):
-            log.log(level, "%s", line)
-
-    def _culprits(self, probe: bool) -> list[str]:
-        """The ranks known to have failed or gone silent; with `probe`, when none is known, read every rank's
-        heartbeat twice one interval apart (in a helper thread, bounded in time: the store may be gone too)."""
-        if self.monitor is None:
-            return []
-        known = self.monitor.culprits(self._horizon(time.monotonic()))
-        if known or not probe or self._store_broken:
-            return known
-        found: list[str] = []
-        ranks = [r for r in range(self.dist.world_size) if r != self.dist.rank]
-
-        def read(store: Any) -> dict[int, dict[str, Any]]:
-            out = {}
-            for r in ranks:
-                key = HEARTBEAT_KEY.format(rank=r)
-                out[r] = json.loads(bytes(store.get(key))) if store.check([key]) else {}
-            return out
-
-        def run() -> None:
-            try:
-                store = self._store  # this connection: a new one to a dead store would retry for the timeout
-                first = read(store)
-                found.extend(f"{describe(r, info)} failed: {info['failure']}" for r, info in first.items()
-                             if info.get("failure"))
-                if found:
-                    return
-                time.sleep(self.cfg.heartbeat_interval_s * 1.5)
-                second = read(store)
-                found.extend(f"{describe(r, info)} stopped answering (its heartbeat stopped: crashed, killed or "
-                             "frozen?)" for r, info in second.items()
-                             if info == first[r] and info.get("status", "running") == "running")
-            except Exception as e:
-                assert self.monitor is not None
-                self._store_broken = True
-                if not _is_timeout(e):
-                    self.monitor.lose_store(_first_line(e))
-                found.extend(self.monitor.culprits(time.monotonic()))
-
-        t = threading.Thread(target=run, name="bertrain-watchdog-probe", daemon=True)
-        t.start()
-        t.join(timeout=self.cfg.heartbeat_interval_s * 2 + 5)
-        return list(found)
-
-
-def _is_timeout(e: BaseException) -> bool:
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:160]
-
-
