@@ -78,6 +78,7 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
                                           timeout=timeout)
         # who is who, so that an error about rank r can name its pid and host even if r never said anything else
         _identities[:] = gather_objects(me)
+        torch_dist._bertrain_joined = True  # python -m bertrain skips the interpreter's teardown (__main__.py)
         check_layout(_identities)
         if rank == 0:
             log.info("%s", describe_layout(layout, backend, _identities))
