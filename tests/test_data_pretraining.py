@@ -1,6 +1,7 @@
 """Pretraining samples and the loader: statistics, structure, modes, determinism across ranks, exact resume."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,8 @@ import torch
 
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
-from bertrain.data.samples import _BLOCK_DOMAIN, SampleConfig, _uniform, build_blocks, sample_keys
+from bertrain.data.samples import (_BLOCK_DOMAIN, SampleConfig, _uniform, build_blocks, find_static, sample_from_record,
+                                   sample_keys, sample_record)
 from bertrain.data.store import TokenStore
 from bertrain.data.tokenizer import read_vocab
 
@@ -139,20 +141,46 @@ def test_whole_word_masking_masks_whole_words(prepared):
     assert 0.11 < frac < 0.16
 
 
-def test_mlm_only_packing(prepared):
-    ds = PretrainingDataset(prepared, SampleConfig(T, P, next_sentence=False), masking="dynamic")
+def _unmasked_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
+    L = b["attention_mask"].sum(1)
+    return torch.stack([_unmask(b, i) for i in range(len(L))]), L
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_mlm_only_packing(prepared, split):
+    sample = SampleConfig(T, P, next_sentence=False, split_sentences=split)
+    ds = PretrainingDataset(prepared, sample, masking="dynamic")
     b = ds.get_batch(0, np.arange(len(ds)))
     assert torch.all(b["next_sentence_labels"] == -100)
     assert torch.all(b["token_type_ids"] == 0)
-    L = b["attention_mask"].sum(1)
     sep = read_vocab(VOCAB).index("[SEP]")
-    unmasked = torch.stack([_unmask(b, i) for i in range(len(L))])
+    unmasked, L = _unmasked_rows(b)
     assert torch.all((unmasked == sep).sum(1) == 1) and torch.all(unmasked[torch.arange(len(L)), L - 1] == sep)
-    # whole sentences packed across documents: ~30-token sentences here leave ~12 slots free; 10% short targets
-    assert L.float().mean() > 0.75 * T
     assert L.max() <= T
     frac = (b["masked_labels"] != -100).sum() / L.sum()
     assert 0.13 < frac < 0.16
+    store = TokenStore(prepared)
+    body = torch.cat([unmasked[i, 1:L[i] - 1] for i in range(len(L))]).numpy()
+    if split:  # the rows, [CLS] and [SEP] taken off, are the corpus itself in order: nothing dropped or repeated
+        np.testing.assert_array_equal(body, store.tokens_at(np.arange(store.num_tokens)))
+    else:  # a sentence longer than a block is cut to it, and its rest dropped
+        assert 0.8 * store.num_tokens < len(body) < store.num_tokens
+    full = (L == T).float().mean().item()
+    if split:  # every window full but the short-target ones (10%) and the last
+        assert 0.85 < full < 0.95 and L.float().mean() > 0.93 * T
+        # windows cut sentences: some row starts inside a sentence
+        starts = np.asarray(ds._get_builder().blocks[:, 0])
+        assert not np.isin(starts, store.sentence_starts).all()
+    else:  # whole sentences: ~30-token sentences here leave ~12 slots free
+        assert full < 0.2 and 0.75 * T < L.float().mean() < 0.93 * T
+        starts = np.asarray(store.sentence_starts)[ds._get_builder().blocks[:, 0]]
+        assert np.isin(starts, store.sentence_starts).all()
+
+
+def test_packing_without_short_targets_fills_every_window(prepared):
+    ds = PretrainingDataset(prepared, SampleConfig(T, P, next_sentence=False, short_seq_prob=0.0), masking="dynamic")
+    L = ds.get_batch(0, np.arange(len(ds)))["attention_mask"].sum(1)
+    assert torch.all(L[:-1] == T) and 2 < L[-1] <= T
 
 
 def test_static_instances_are_dynamic_epochs_materialised(prepared):
@@ -316,7 +344,7 @@ def _greedy_blocks_reference(store: TokenStore, cfg: SampleConfig, targets: np.n
 def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, seq_len):
     store = TokenStore(prepared)
     cfg = SampleConfig(max_seq_length=seq_len, max_predictions_per_seq=4, short_seq_prob=0.3,
-                       next_sentence=next_sentence)
+                       next_sentence=next_sentence, split_sentences=False)
     max_tokens = seq_len - (3 if next_sentence else 2)
     seed = 12345
     keys = sample_keys(seed, _BLOCK_DOMAIN, np.arange(store.num_sentences))
@@ -326,3 +354,28 @@ def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, seq_le
     blocks = build_blocks(store, cfg, seed)
     np.testing.assert_array_equal(blocks, _greedy_blocks_reference(store, cfg, targets.tolist()))
     assert blocks[0, 0] == 0 and blocks[-1, 1] == store.num_sentences and np.all(blocks[1:, 0] == blocks[:-1, 1])
+
+
+def test_static_packed_instances_and_records_from_before_split_sentences(tmp_path):
+    out = tmp_path / "packed"
+    sample = SampleConfig(64, 10, next_sentence=False)
+    prepare(PrepareConfig(inputs=["builtin:python-docs"], output=str(out), vocab_file=str(VOCAB), dupe_factor=1,
+                          workers=1, sample=sample, heldout_fraction=0.0))
+    static = PretrainingDataset(out, sample, masking="static")
+    dynamic = PretrainingDataset(out, sample, masking="dynamic")
+    assert len(static) == len(dynamic)
+    ids = np.arange(len(dynamic))
+    assert np.array_equal(static.get_rows(0, ids), dynamic.get_rows(0, ids))
+    folder, meta = find_static(out, sample, 12345)
+    assert folder.name.endswith("packed-split-d1-seed12345") and meta["sample_config"]["split_sentences"] is True
+    # A record written before the setting existed is whole-sentence packing, which is what it was built with.
+    record = dict(meta["sample_config"])
+    del record["split_sentences"]
+    (folder / "instances.json").write_text(json.dumps({**meta, "sample_config": record}), encoding="utf-8")
+    whole = SampleConfig(64, 10, next_sentence=False, split_sentences=False)
+    assert sample_from_record(record) == (whole, 12345)
+    assert find_static(out, whole, 12345)[0] == folder
+    with pytest.raises(ValueError, match="no static instances"):
+        find_static(out, sample, 12345)
+    # NSP records carry no split_sentences: the same record as before it existed
+    assert "split_sentences" not in sample_record(SampleConfig(), 1)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bertrain.data.pretraining import PretrainingDataset
-from bertrain.data.samples import SampleConfig
+from bertrain.data.samples import sample_from_record
 from bertrain.data.store import TokenStore
 from bertrain.data.tokenizer import read_vocab
 from bertrain.utils.errors import UserError
@@ -34,14 +34,13 @@ def run(args: argparse.Namespace) -> int:
         stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {data_dir / 'stats.json'}: {e} (re-run prepare with --overwrite)") from None
-    recorded = dict(stats.get("sample_config") or {})  # static instances' settings and seed, if any
-    seed = recorded.pop("seed", 12345)
+    recorded, seed = sample_from_record(stats.get("sample_config"))  # static instances' settings and seed, if any
     masking = args.masking
     if masking == "auto":
         masking = "static" if stats.get("masking") == "static" else "dynamic"
     overrides = {k: v for k, v in (("max_seq_length", args.max_seq_length),
                                    ("max_predictions_per_seq", args.max_predictions_per_seq)) if v}
-    sample = dataclasses.replace(SampleConfig(**recorded), **overrides)
+    sample = dataclasses.replace(recorded, **overrides)
     ds = PretrainingDataset(data_dir, sample, masking=masking, seed=seed, verify=False)
     vocab = read_vocab(data_dir / "vocab.txt")
     n = min(args.samples, len(ds))

@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workers", type=int, default=0, help="worker processes (default: every core)")
     a("--whole-word-masking", action="store_true", help="static: mask whole words")
     a("--no-next-sentence", dest="next_sentence", action="store_false",
-      help="static: MLM-only packing (full sentences up to the length, no NSP pairs)")
+      help="static: MLM-only packing across documents, no NSP pairs")
+    a("--whole-sentences", dest="split_sentences", action="store_false",
+      help="static MLM-only packing: whole sentences only (default: full blocks that may cut a sentence, as run_mlm)")
     a("--input-format", default="auto", choices=INPUT_FORMATS)
     a("--text-column", "--text-field", dest="text_field", default="text", metavar="NAME",
       help="Parquet/Arrow column (or JSONL key) holding a document's text (default text)")
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"prepare --input needs {' and '.join(missing)}")
     sample = SampleConfig(max_seq_length=args.max_seq_length, max_predictions_per_seq=args.max_predictions_per_seq,
                           masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
-                          whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence)
+                          whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence,
+                          split_sentences=args.split_sentences)
     cfg = PrepareConfig(
         inputs=args.input, output=args.output, vocab_file=args.vocab_file, sample=sample,
         dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=args.do_lower_case, seed=args.seed,

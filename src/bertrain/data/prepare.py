@@ -55,7 +55,8 @@ from bertrain.data.cleaning import clean_documents
 from bertrain.data.progress import Progress
 from bertrain.data.readers import (CorpusConfig, RawDocument, SkipReport, doc_hash, input_fingerprint,
                                    input_size, iter_raw_documents, resolve_inputs)
-from bertrain.data.samples import InstanceBuilder, SampleConfig, sample_record, static_dir_name, write_static_meta
+from bertrain.data.samples import (InstanceBuilder, SampleConfig, sample_from_record, sample_record, static_dir_name,
+                                   write_static_meta)
 from bertrain.data.store import (HELDOUT_DIR, STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, document_hashes,
                                  heldout_status, open_shard, read_store_meta, token_dtype)
 from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
@@ -753,10 +754,9 @@ def add_heldout(data_dir: str | os.PathLike, heldout_fraction: float = 0.01, hel
             raise UserError(f"{out} already has a held-out set ({current.record.get('num_documents')} documents in "
                             f"{current.dir}); to change it, prepare the inputs again with --overwrite")
         old = json.loads((out / "stats.json").read_text(encoding="utf-8"))
-        recorded = dict(old.get("sample_config") or {})
-        seed = recorded.pop("seed", 12345)
+        sample, seed = sample_from_record(old.get("sample_config"))
         cfg = PrepareConfig(inputs=list(old.get("inputs") or [str(out)]), output=str(out),
-                            vocab_file=str(out / "vocab.txt"), sample=SampleConfig(**recorded),
+                            vocab_file=str(out / "vocab.txt"), sample=sample,
                             dupe_factor=old.get("dupe_factor") or 1, masking=old.get("masking", "none"), seed=seed,
                             do_lower_case=meta["do_lower_case"], workers=workers, heldout_fraction=heldout_fraction,
                             heldout_min_documents=heldout_min_documents)

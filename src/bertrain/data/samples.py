@@ -18,8 +18,12 @@ How we make that fast and replayable (the parts that differ from the reference, 
 * **Static = dynamic, materialised.** Static instance `d * n_blocks + j` is exactly dynamic sample `j` of epoch
   `d` (d < dupe_factor): the two modes share one code path and one test suite. Static instances live in
   `DIR/static-.../` (`instances.bin` rows + `instances.json`, which records the sample settings and seed).
-* **MLM-only packing** (`next_sentence=False`): blocks run over document boundaries, filling `max_seq_length - 2`
-  tokens with whole sentences: `[CLS] sentences... [SEP]`, token types 0, `next_sentence_labels` -100.
+* **MLM-only packing** (`next_sentence=False`): blocks run over document boundaries: `[CLS] tokens... [SEP]`,
+  token types 0, `next_sentence_labels` -100. By default (`split_sentences`) a block is the next `max_seq_length - 2`
+  tokens of the corpus, cutting a sentence where the block ends, as HF run_mlm's group_texts and RoBERTa's
+  FULL-SENTENCES do: every block is full (but the last, and the short-target ones). `split_sentences=False` packs
+  whole sentences only, which left ~19% of the slots empty on the shipped corpora (BENCHMARKS.md, packing): with
+  unpadding empty slots cost little time, but each step then learns from that many fewer tokens.
 * **Whole-word masking** picks words in random order and stops at the first word that no longer fits in the
   budget (the reference skips it and tries later words), so it can mask a few tokens fewer.
 
@@ -122,7 +126,10 @@ class SampleConfig:
     whole_word_masking: bool = False
     """Mask every WordPiece of a word together."""
     next_sentence: bool = True
-    """NSP pairs [CLS] A [SEP] B [SEP]; false = MLM-only packing of whole sentences across documents."""
+    """NSP pairs [CLS] A [SEP] B [SEP]; false = MLM-only packing across documents."""
+    split_sentences: bool = True
+    """MLM-only packing: blocks are full windows of the token stream that may cut a sentence (run_mlm, RoBERTa
+    FULL-SENTENCES); false = whole sentences only. Ignored with next_sentence."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -160,6 +167,8 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
     if n_sent == 0:
         return np.zeros((0, 3), np.int64)
     max_tokens = sample.max_seq_length - (3 if sample.next_sentence else 2)
+    if splits_sentences(sample):
+        return _token_windows(store, sample, seed, max_tokens)
     start = np.arange(n_sent)
     keys = sample_keys(seed, _BLOCK_DOMAIN, start)
     short_len = 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64)  # randint(2, max_tokens)
@@ -194,15 +203,47 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
     return np.stack([first, end[first], doc_of[first]], axis=1)
 
 
+def splits_sentences(sample: SampleConfig) -> bool:
+    """Whether `sample`'s blocks are token windows (rows [token start, token end, document]) rather than sentence
+    ranges (rows [first sentence, end sentence, document])."""
+    return not sample.next_sentence and sample.split_sentences
+
+
+def _token_windows(store: TokenStore, sample: SampleConfig, seed: int, max_tokens: int) -> np.ndarray:
+    """Packed blocks as consecutive token windows over the whole corpus: [token start, token end, document of the
+    start]. Window k's length is its target (`max_tokens`, or with `short_seq_prob` a random shorter one), keyed by
+    k; the last window takes what is left."""
+    n_tokens = int(store.sentence_starts[-1])
+    lengths = []
+    k, covered = 0, 0
+    while covered < n_tokens:  # a few rounds at most: each draws targets for the windows still expected
+        count = max(16, int((n_tokens - covered) / max(1.0, max_tokens * (1 - sample.short_seq_prob / 2))) + 16)
+        keys = sample_keys(seed, _BLOCK_DOMAIN, np.arange(k, k + count))
+        short_len = 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64)
+        lengths.append(np.where(_uniform(keys, 0) < sample.short_seq_prob, short_len, max_tokens))
+        k += count
+        covered += int(lengths[-1].sum())
+    ends = np.cumsum(np.concatenate(lengths))
+    n_windows = int(np.searchsorted(ends, n_tokens, side="left")) + 1
+    end = np.minimum(ends[:n_windows], n_tokens)
+    start = np.concatenate([[0], end[:-1]])
+    # The document of a window's first token: its sentence, then that sentence's document.
+    sent = np.searchsorted(store.sentence_starts, start, side="right") - 1
+    doc = np.searchsorted(np.asarray(store.document_starts, dtype=np.int64), sent, side="right") - 1
+    return np.stack([start, end, doc], axis=1).astype(np.int64)
+
+
 def load_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarray:
     """`build_blocks`, cached in the prepared folder (atomic write; rebuilt if missing or unreadable)."""
-    name = (f"blocks-v2-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-"
-            f"{'nsp' if sample.next_sentence else 'packed'}-seed{seed}.npy")
+    split = splits_sentences(sample)
+    kind = "nsp" if sample.next_sentence else ("packed-split" if split else "packed")
+    name = f"blocks-v2-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-{kind}-seed{seed}.npy"
     path = store.dir / "cache" / name
+    last = store.num_tokens if split else store.num_sentences
     if path.is_file():
         try:
             blocks = np.load(path)
-            if blocks.ndim == 2 and blocks.shape[1] == 3 and (len(blocks) == 0 or blocks[-1, 1] == store.num_sentences):
+            if blocks.ndim == 2 and blocks.shape[1] == 3 and (len(blocks) == 0 or blocks[-1, 1] == last):
                 return blocks
         except (OSError, ValueError):
             pass
@@ -258,7 +299,10 @@ class InstanceBuilder:
         ss = self.store.sentence_starts
         first, end, doc = self.blocks[ids, 0], self.blocks[ids, 1], self.blocks[ids, 2]
         n_sent = end - first
-        block_start, block_end = ss[first], ss[end]
+        if splits_sentences(sample):  # token windows
+            block_start, block_end = first, end
+        else:
+            block_start, block_end = ss[first], ss[end]
 
         if sample.next_sentence:
             max_tokens = T - 3
@@ -452,14 +496,33 @@ def _binomial_half(keys: np.ndarray, slot: int, k: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- static files
 
 def sample_record(sample: SampleConfig, seed: int) -> dict[str, Any]:
-    """The settings recorded with static instances (`instances.json`, `stats.json`): a sample is these and the seed."""
-    return {**asdict(sample), "seed": seed}
+    """The settings recorded with static instances (`instances.json`, `stats.json`): a sample is these and the seed.
+    `split_sentences` only where it means something (packing), so NSP records are the same as before it existed."""
+    record = {**asdict(sample), "seed": seed}
+    if sample.next_sentence:
+        del record["split_sentences"]
+    return record
+
+
+def _normalised_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A recorded sample from before `split_sentences` existed packed whole sentences."""
+    if not record.get("next_sentence", True) and "split_sentences" not in record:
+        return {**record, "split_sentences": False}
+    return record
+
+
+def sample_from_record(record: dict[str, Any] | None, default_seed: int = 12345) -> tuple[SampleConfig, int]:
+    """(`SampleConfig`, seed) of a `sample_record` as written by this or an earlier version."""
+    settings = _normalised_record(dict(record or {}))
+    seed = settings.pop("seed", default_seed)
+    return SampleConfig(**settings), seed
 
 
 def static_dir_name(sample: SampleConfig, seed: int, dupe_factor: int) -> str:
+    kind = "nsp" if sample.next_sentence else ("packed-split" if sample.split_sentences else "packed")
     return (f"static-s{sample.max_seq_length}-p{sample.max_predictions_per_seq}-m{sample.masked_lm_prob:g}"
             f"-short{sample.short_seq_prob:g}-{'wwm-' if sample.whole_word_masking else ''}"
-            f"{'nsp' if sample.next_sentence else 'packed'}-d{dupe_factor}-seed{seed}")
+            f"{kind}-d{dupe_factor}-seed{seed}")
 
 
 def write_static_meta(out_dir: Path, sample: SampleConfig, seed: int, dupe_factor: int, num_instances: int,
@@ -477,7 +540,7 @@ def find_static(data_dir: Path, sample: SampleConfig, seed: int) -> tuple[Path, 
     for meta_path in sorted(data_dir.glob("static-*/instances.json")):
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         found.append(meta_path.parent.name)
-        if meta["sample_config"] == wanted:
+        if _normalised_record(meta["sample_config"]) == wanted:
             return meta_path.parent, meta
     raise ValueError(
         f"{data_dir} has no static instances for {sample} with seed {seed} (present: {found or 'none'}); run "

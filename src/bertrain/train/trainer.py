@@ -534,7 +534,7 @@ class Meter:
 
 
 def _format_record(r: dict[str, Any]) -> str:
-    skip = {"step", "epoch", "samples", "elapsed_s", "skipped_steps", "loss_scale", "tokens_per_s", "data_wait"}
+    skip = {"step", "epoch", "samples", "elapsed_s", "skipped_steps", "loss_scale", "data_wait"}
     parts = []
     for k, v in r.items():
         if k in skip or v is None:
