@@ -63,6 +63,8 @@ def test_eval_settings_that_cannot_work_are_refused_naming_the_key() -> None:
         EvalConfig(patience=-1)
     with pytest.raises(ValueError, match="eval.max_samples"):
         EvalConfig(max_samples=0)
+    with pytest.raises(ValueError, match="eval.patience and eval.target need evaluations"):
+        EvalConfig(enabled=False, target=0.5)
 
 
 # ----------------------------------------------------------------------------------------------- pretraining
@@ -130,6 +132,17 @@ def test_a_store_without_heldout_set_trains_with_a_warning(tmp_path: Path, caplo
     assert "no held-out evaluation" in caplog.text and f"bertrain prepare --add-heldout {store}" in caplog.text
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in records if r.get("event") == "eval"]
+
+
+def test_eval_disabled_evaluates_nothing_not_even_after_the_last_step(heldout_store: Path, tmp_path: Path,
+                                                                       caplog) -> None:
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    cfg = from_dict(PretrainConfig, _pretrain_config(heldout_store, tmp_path / "run", train={"steps": 4},
+                                                     eval={"enabled": False}, checkpoint={"save_interval": 0}))
+    with caplog.at_level("INFO"):
+        result = run_pretraining(cfg)
+    assert result.state.step == 4 and result.run.evaluation == {} and not _evals(tmp_path / "run")
+    assert "held-out evaluation" not in caplog.text  # the set is not even built
 
 
 def _evals(out: Path) -> list[dict]:

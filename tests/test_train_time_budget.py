@@ -81,9 +81,10 @@ def test_on_time_schedule_reaches_its_end_at_the_budget(tmp_path: Path, caplog) 
     assert lrs == pytest.approx([0.5, 1.0, 0.5, 0.0, 0.0], abs=10 / ON_TIME_STEPS)  # warmup, decay, end, clamped
 
     out = tmp_path / "run"
-    with caplog.at_level("WARNING"):
-        result = run_pretraining(_config(out, train={"steps": 0}, schedule={"name": "linear", "warmup": 0.1,
-                                                                             "on_time": True}))
+    with caplog.at_level("INFO"):
+        result = run_pretraining(_config(out, train={"steps": 0, "log_interval": 1},
+                                          schedule={"name": "linear", "warmup": 0.1, "on_time": True}))
     assert "not bit-reproducible" in caplog.text
+    assert f"step {result.state.step} " in caplog.text and f"step {result.state.step}/" not in caplog.text  # no limit
     lrs = [r["lr"] for r in _records(out)]
     assert result.state.step > 1 and lrs[-1] == 0.0  # the last step is past the budget: the schedule's end

@@ -197,7 +197,7 @@ class PretrainingTask:
         self.cfg, self.data = cfg, data
         self._heldout: HeldoutEvalSet | None = None
         self.can_evaluate = False
-        if data.data_dir is not None:
+        if data.data_dir is not None and cfg.eval.enabled:
             status = heldout_status(data.data_dir)
             self.can_evaluate = status.dir is not None
             if not self.can_evaluate:

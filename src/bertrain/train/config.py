@@ -225,6 +225,9 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
+    enabled: bool = True
+    """False: no evaluation while training at all, not even after the last step (e.g. to time training alone, as
+    benchmarks/time_to_quality.py does; fine-tuning's dev evaluation after the run is not this one)."""
     interval: int = 0
     """Evaluate every this many optimizer steps (0: not periodically); there is always an evaluation after the last
     step. Pretraining evaluates on the prepared data's held-out documents, fine-tuning on the dev set."""
@@ -253,7 +256,12 @@ class EvalConfig:
             lambda: check_positive("eval.max_samples", self.max_samples),
             lambda: check_positive("eval.patience", self.patience, allow_zero=True),
             lambda: check_positive("eval.min_delta", self.min_delta, allow_zero=True),
+            self._check_enabled,
         ])
+
+    def _check_enabled(self) -> None:
+        if not self.enabled and (self.patience or self.target is not None):
+            raise ValueError("eval.patience and eval.target need evaluations: drop them or set eval.enabled: true")
 
 
 @dataclass

@@ -95,7 +95,7 @@ class Evaluator:
                  total_steps: int, steps_per_epoch: int, template: nn.Module | None = None,
                  on_eval: OnEval | None = None) -> None:
         self.cfg, self.task, self.dist, self.precision, self.out = cfg, task, dist, precision, out
-        self.enabled = callable(getattr(task, "evaluate", None)) and getattr(task, "can_evaluate", True)
+        self.enabled = cfg.enabled and callable(getattr(task, "evaluate", None)) and getattr(task, "can_evaluate", True)
         self.metric = cfg.metric or getattr(task, "primary_metric", "")
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.template = template  # fsdp: a meta copy of the plain model, to gather the best weights into

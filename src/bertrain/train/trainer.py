@@ -314,7 +314,8 @@ class _Run:
                 last = meter.flush(state, self.optimizer, self.precision, dist)
                 metrics_log.log(last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
-                log.info("step %d/%d %s", state.step, self.total_steps, _format_record(last))
+                of = "" if self.total_steps == NO_STEP_LIMIT else f"/{self.total_steps}"
+                log.info("step %d%s %s", state.step, of, _format_record(last))
             if flags["stop"]:
                 log.warning("stop requested (signal): saving step %d and exiting", state.step)
                 bar.close()
@@ -330,7 +331,8 @@ class _Run:
                 log.warning("%s", self.stop_reason)
                 break
             if history.stop_reason:
-                log.warning("stopping at step %d of %d: %s", state.step, self.total_steps, history.stop_reason)
+                of = "" if self.total_steps == NO_STEP_LIMIT else f" of {self.total_steps}"
+                log.warning("stopping at step %d%s: %s", state.step, of, history.stop_reason)
                 break
         bar.close()
         return False, last
