@@ -263,9 +263,11 @@ def sample_config(seq: int) -> SampleConfig:
                         masked_lm_prob=MLM_PROBABILITY, short_seq_prob=0.0, next_sentence=False)
 
 
-def bertrain_config(s: Settings, seed: int, data: DataPaths, output_dir: Path) -> dict[str, Any]:
-    """The `PretrainConfig` (as a dict) of a bertrain run; the scorer builds its evaluator from the same dict, so
-    the evaluation set and its micro-batches are those a training-time evaluation would use."""
+def bertrain_config(s: Settings, seed: int, data: DataPaths, output_dir: Path,
+                    evaluate: bool = False) -> dict[str, Any]:
+    """The `PretrainConfig` (as a dict) of a bertrain run (`evaluate` false: no evaluation while training); the
+    scorer builds its evaluator from the same dict with `evaluate`, so the evaluation set and its micro-batches are
+    those a training-time evaluation would use."""
     return {
         "model": {"preset": str(data.model_config)},
         "data": {"prepared": str(data.prepared), "vocab_file": str(data.vocab), "masking": "dynamic",
@@ -279,7 +281,7 @@ def bertrain_config(s: Settings, seed: int, data: DataPaths, output_dir: Path) -
         "precision": {"mode": s.precision},
         "distributed": {"device": s.device},
         "checkpoint": {"save_interval": s.save_every, "keep_last": 0, "export_final": False},
-        "eval": {"max_samples": s.eval_samples},
+        "eval": {"enabled": evaluate, "max_samples": s.eval_samples},
         "metrics": {"report_to": []},
         "seed": seed,
         "output_dir": str(output_dir),
@@ -475,21 +477,14 @@ def child_main(side: str, job_path: Path, t0: float) -> int:
 
 
 def train_bertrain(job: dict[str, Any]) -> dict[str, Any]:
-    """bertrain's engine as `bertrain pretrain` runs it (run folder, Trainer), minus the held-out evaluation,
-    which the scorer does afterwards for both sides: there is no config key that turns the final one off."""
+    """bertrain as `bertrain pretrain --config` runs it, with `eval.enabled: false`: the scorer evaluates both sides
+    afterwards, and an evaluation inside the timed run would cost bertrain time that HF does not pay."""
     from bertrain.config import from_dict
-    from bertrain.tasks.pretraining import PretrainConfig, PretrainingTask, resolve_data
-    from bertrain.train.distributed import distributed_context
-    from bertrain.train.resume import run_folder
-    from bertrain.train.trainer import Trainer
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
 
     cfg = from_dict(PretrainConfig, job["config"])
-    with distributed_context(cfg.distributed) as dist, run_folder(Path(cfg.output_dir), "pretrain", dist, None,
-                                                                   False):
-        task = PretrainingTask(cfg, resolve_data(cfg, dist))
-        task.can_evaluate = False  # no evaluation inside the timed run (Evaluator.enabled reads it)
-        run = Trainer(cfg, dist).fit(task)
-        run.finish({"steps": run.state.step})
+    result = run_pretraining(cfg)
+    run = result.run
     return {"steps": run.state.step, "loop_s": run.seconds, "stop_reason": run.stop_reason,
             "optimizer": "torch.optim.AdamW(fused=True)", "loader_workers": cfg.data.num_workers}
 
@@ -548,7 +543,7 @@ class Scorer:
         from bertrain.config import from_dict
         from bertrain.tasks.pretraining import PretrainConfig
 
-        self.cfg = from_dict(PretrainConfig, bertrain_config(s, 0, data, output_dir))
+        self.cfg = from_dict(PretrainConfig, bertrain_config(s, 0, data, output_dir, evaluate=True))
 
     def __enter__(self) -> Scorer:
         from bertrain.tasks.pretraining import PretrainingTask, resolve_data

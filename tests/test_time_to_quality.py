@@ -48,7 +48,8 @@ def bertrain_run(data: ttq.DataPaths) -> tuple[Path, dict[int, dict[str, float]]
 
     run_dir = data.root.parent / "runs" / "bertrain-s1"
     run_dir.mkdir(parents=True)
-    config = ttq.bertrain_config(TINY, 1, data, run_dir / "train")
+    assert ttq.bertrain_config(TINY, 1, data, run_dir / "train")["eval"]["enabled"] is False  # the timed runs
+    config = ttq.bertrain_config(TINY, 1, data, run_dir / "train", evaluate=True)
     config["eval"]["interval"] = 4
     (run_dir / "launch.json").write_text(json.dumps({"t0": time.time()}))
     run_pretraining(from_dict(PretrainConfig, config))
