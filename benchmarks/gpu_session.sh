@@ -8,7 +8,11 @@
 #   bash benchmarks/gpu_session.sh p2       # BERT-Large phase 2 (seq 512, batch 16)
 #   bash benchmarks/gpu_session.sh jagged   # phases 1 and 2 with attention on nested (jagged) tensors
 #   bash benchmarks/gpu_session.sh squad    # SQuAD inference at seq 384, batch 64
+#   bash benchmarks/gpu_session.sh ttq      # issue 22: pretraining time to quality vs HF Trainer, 90 s budgets
+#   bash benchmarks/gpu_session.sh ttq-ft   # issue 22: SST-2 fine-tuning time to quality vs HF Trainer, 60 s budgets
 #
+# The ttq parts need `accelerate` (HF Trainer refuses to start without it), which the GPU image may lack: bring
+# its wheel with the device README's .whl recipe.
 # Runs from the repository root with PYTHONPATH=src (the GPU image has torch, transformers, tokenizers,
 # safetensors, PyYAML; nothing is installed). Full outputs go to $OUT (default gpu-results/); the last lines
 # printed are a short summary. Numbers go to BENCHMARKS.md, "Training and inference speed: GPU".
@@ -68,7 +72,17 @@ squad)
     bench squad-inference --model large --mode inference --seq-len 384 --batch-size 64 --device cuda \
         --precision bf16 --compare hf --steps 30
     ;;
+ttq)  # 4 runs x 90 s + data and scoring: within one 10-minute command
+    timeout 570 "$PY" benchmarks/time_to_quality.py pretrain --out "$OUT/ttq-pretrain" --device cuda --budget 90s \
+        --seeds 1 2 --save-every 200 > "$OUT/ttq-pretrain.log" 2>&1
+    echo "ttq rc=$?"; tail -25 "$OUT/ttq-pretrain/summary.md" 2>/dev/null || tail -5 "$OUT/ttq-pretrain.log"
+    ;;
+ttq-ft)
+    timeout 570 "$PY" benchmarks/ttq_finetune.py --out "$OUT/ttq-sst2" --device cuda --tasks sst2 --seeds 1 2 \
+        --budget 60s --save-every 100 > "$OUT/ttq-sst2.log" 2>&1
+    echo "ttq-ft rc=$?"; tail -25 "$OUT/ttq-sst2/summary.md" 2>/dev/null || tail -5 "$OUT/ttq-sst2.log"
+    ;;
 *)
-    echo "unknown part $part: env | tests | p1 | p2 | jagged | squad" >&2; exit 2
+    echo "unknown part $part: env | tests | p1 | p2 | jagged | squad | ttq | ttq-ft" >&2; exit 2
     ;;
 esac

@@ -31,8 +31,8 @@ Method
   is the later of COMPLETE's mtime and the folder's ctime (the rename), against t0 = time.time() of the parent.
   Both clocks are the system clock. The default `--save-every` gives about 12 points per run (total steps / 12).
 * Neither side evaluates while training (that cost would differ): after a run ends, outside any timed window,
-  ONE scorer scores every checkpoint of both sides: bertrain's own dev evaluation (`tasks.finetune._eval_model`
-  + `_glue_dev_metrics`, the function the trainer calls for its dev evaluations) and the task's primary metric
+  ONE scorer scores every checkpoint of both sides: bertrain's own dev evaluation (`tasks.finetune.eval_model`
+  + `glue_dev_metrics`, the function the trainer calls for its dev evaluations) and the task's primary metric
   (`tasks.metrics.PRIMARY_METRIC`: MRPC f1, SST-2 accuracy). HF checkpoints (transformers' save_pretrained form)
   are read by the same loader (`bertrain.model.hf`), so both sides go through the same forward and metric. Chance
   is the metric of always predicting the dev set's majority class. The scored checkpoints are then deleted
@@ -505,14 +505,14 @@ def hf_child(spec_file: str, t0: float) -> int:
 
 class DevScorer:
     """bertrain's own dev evaluation of a task for any checkpoint folder in HF format (bertrain's step-N or
-    transformers' checkpoint-N): `_eval_model` (the loader, `bertrain.model.hf`, and the model options) and
-    `_glue_dev_metrics` (the trainer's dev evaluation), under the evaluation settings of `cfg`."""
+    transformers' checkpoint-N): `eval_model` (the loader, `bertrain.model.hf`, and the model options) and
+    `glue_dev_metrics` (the trainer's dev evaluation), under the evaluation settings of `cfg`."""
 
     def __init__(self, cfg: Any) -> None:
         import functools
 
         from bertrain.tasks.common import load_task_tokenizer
-        from bertrain.tasks.finetune import _glue_dev_metrics
+        from bertrain.tasks.finetune import glue_dev_metrics
         from bertrain.tasks.glue import build_features, get_task, read_split
         from bertrain.tasks.metrics import PRIMARY_METRIC, glue_compute_metrics
         from bertrain.train.distributed import init_distributed
@@ -529,12 +529,12 @@ class DevScorer:
         self.chance = glue_compute_metrics(self.task.name, [majority] * len(labels), labels)
         self.dist = init_distributed(cfg.distributed)
         self.precision = Precision(cfg.precision, self.dist.device)
-        self._evaluate = functools.partial(_glue_dev_metrics, feats, self.task, cfg)
+        self._evaluate = functools.partial(glue_dev_metrics, feats, self.task, cfg)
 
     def score(self, checkpoint: str | Path) -> dict[str, float]:
-        from bertrain.tasks.finetune import _eval_model
+        from bertrain.tasks.finetune import eval_model
 
-        model = _eval_model(dataclasses.replace(self.cfg, init=str(checkpoint)), "cls", self.task.num_labels,
+        model = eval_model(dataclasses.replace(self.cfg, init=str(checkpoint)), "cls", self.task.num_labels,
                             self.dist)
         return self._evaluate(model, self.dist, self.precision)
 

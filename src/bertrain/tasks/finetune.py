@@ -274,7 +274,8 @@ def _start(cfg: FinetuneConfig, dist: DistInfo) -> Path:
     return out
 
 
-def _eval_model(cfg: FinetuneConfig, kind: str, num_labels: int, dist: DistInfo) -> nn.Module:
+def eval_model(cfg: FinetuneConfig, kind: str, num_labels: int, dist: DistInfo) -> nn.Module:
+    """The `cfg.init` model to evaluate (a bertrain or an HF folder), with the model options, on the device."""
     torch.manual_seed(cfg.seed)
     model = load_model(kind, cfg.init, num_labels)
     return apply_model_options(model, cfg.model_options).to(dist.device)
@@ -364,7 +365,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             results.update(train_examples=len(examples), train_features=len(feats["input_ids"]),
                            **_train_results(run))
         else:
-            model = _eval_model(cfg, "qa", 2, dist)
+            model = eval_model(cfg, "qa", 2, dist)
         if cfg.do_eval:
             examples, feats = dev_examples, dev_feats
             t0 = time.perf_counter()
@@ -416,8 +417,8 @@ def _glue_predictions(model: nn.Module, feats: dict[str, np.ndarray], task: Any,
     return logits[:, 0] if task.is_regression else logits.argmax(axis=1)
 
 
-def _glue_dev_metrics(feats: dict[str, np.ndarray], task: Any, cfg: GlueFinetuneConfig, model: nn.Module,
-                      dist: DistInfo, precision: Precision) -> dict[str, float]:
+def glue_dev_metrics(feats: dict[str, np.ndarray], task: Any, cfg: GlueFinetuneConfig, model: nn.Module,
+                     dist: DistInfo, precision: Precision) -> dict[str, float]:
     """The task's metrics on its (first) dev split: the evaluation while training (every rank gets all
     predictions, so every rank computes the same numbers)."""
     preds = _glue_predictions(model, feats, task, cfg, dist, precision)
@@ -444,7 +445,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             dev = None
             if cfg.do_eval:  # the first dev split (MNLI: matched) is the one selection looks at
                 (_, dev_examples), *_ = read_split(d.data_dir, task, "dev")
-                dev = functools.partial(_glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
+                dev = functools.partial(glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
                                         task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
                                                      task.labels, dev), resume, allow_config_change, on_eval)
@@ -454,7 +455,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             results.update(train_examples=len(examples), train_examples_available=n_all,
                            epochs=cfg.train.epochs if not cfg.train.steps else None, **_train_results(run))
         else:
-            model = _eval_model(cfg, "cls", task.num_labels, dist)
+            model = eval_model(cfg, "cls", task.num_labels, dist)
 
         def predict(examples):
             feats = glue_features(examples, task, tok, d.max_seq_length)
