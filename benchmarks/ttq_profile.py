@@ -1,0 +1,113 @@
+"""Where a fine-tuning step's time goes, bertrain vs HF, on real GLUE batches (issue 22: the profile behind the
+time-to-quality numbers). Run by hand on an idle machine:
+
+    python benchmarks/ttq_profile.py --task mrpc --init /tmp/ttq-mrpc/init/2-labels-s1
+
+The same model folder for both (bertrain's `load_model` and transformers' `BertForSequenceClassification`), the same
+training batches (the first `--steps` x `--batch` examples of the train split, each batch cut to its longest row as
+`DataCollatorWithPadding` and bertrain's trim_padding do), fused AdamW on both, fp32, `--threads` threads. Each side
+runs `--warmup` untimed steps, then `--steps` steps under torch.profiler; prints each side's step time (median of
+the profiled steps, timed by perf_counter), the real and padded tokens, and the top operators by self CPU time.
+This is the same forward/backward/optimizer step the two trainers run, without their loops (loader, logging,
+checkpoints): what the model and optimizer cost.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+
+
+def batches(task_name: str, init: str, data_dir: Path, batch: int, n: int, max_len: int) -> list[dict]:
+    """`n` training batches, each trimmed to its longest row."""
+    from bertrain.tasks.common import load_task_tokenizer
+    from bertrain.tasks.glue import build_features, get_task, read_split
+
+    task = get_task(task_name)
+    examples = read_split(data_dir, task, "train")[0][1][: batch * n]
+    feats = build_features(examples, task, load_task_tokenizer(init), max_len)
+    out = []
+    for i in range(n):
+        sl = slice(i * batch, (i + 1) * batch)
+        width = int(feats["attention_mask"][sl].sum(1).max())
+        out.append({k: torch.from_numpy(np.ascontiguousarray(v[sl][:, :width] if v.ndim == 2 else v[sl]))
+                    for k, v in feats.items()})
+    return out
+
+
+def build(side: str, init: str, jagged: bool = False) -> torch.nn.Module:
+    if side == "bertrain":
+        from bertrain.model.options import ModelOptionsConfig, apply_model_options
+        from bertrain.tasks.finetune import load_model
+        return apply_model_options(load_model("cls", init, 2), ModelOptionsConfig(jagged_attention=jagged))
+    from transformers import BertForSequenceClassification
+    return BertForSequenceClassification.from_pretrained(init, num_labels=2)
+
+
+def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int, jagged: bool = False) -> dict:
+    torch.manual_seed(0)
+    model = build(side, init, jagged).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
+    other = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
+                            lr=5e-5, eps=1e-6, fused=True)
+
+    def step(b: dict) -> None:
+        out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
+                    attention_mask=b["attention_mask"], labels=b["labels"])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for b in data[:warmup]:
+        step(b)
+    times = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for b in data[warmup:]:
+            t = time.perf_counter()
+            with torch.profiler.record_function("step"):
+                step(b)
+            times.append(time.perf_counter() - t)
+    timed = data[warmup:]
+    return {"step_ms": statistics.median(times) * 1e3,
+            "real_tokens": sum(int(b["attention_mask"].sum()) for b in timed),
+            "padded_tokens": sum(b["input_ids"].numel() for b in timed),
+            "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="mrpc")
+    ap.add_argument("--init", required=True, help="an HF-format model folder with a classifier head")
+    ap.add_argument("--data-dir", default=None, help="the task's GLUE folder (default ../shared/data/glue/<TASK>)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=6, help="profiled steps per side")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-seq-length", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=15, help="operators shown per side")
+    ap.add_argument("--jagged-attention", action="store_true", help="bertrain: attention on nested tensors")
+    ap.add_argument("--sides", default="bertrain,hf")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = {"mrpc": "MRPC", "sst2": "SST-2"}.get(args.task, args.task.upper())
+    data_dir = Path(args.data_dir) if args.data_dir else SHARED / folder
+    data = batches(args.task, args.init, data_dir, args.batch, args.warmup + args.steps, args.max_seq_length)
+    results = {}
+    for side in args.sides.split(","):
+        results[side] = r = profile_side(side, args.init, data, args.warmup, args.rows, args.jagged_attention)
+        print(f"\n=== {side}: median step {r['step_ms']:.0f} ms; {r['real_tokens']} real of {r['padded_tokens']} "
+              f"padded tokens in the profiled steps\n{r['table']}")
+    if len(results) == 2:
+        print(f"\nbertrain / HF step time: {results['bertrain']['step_ms'] / results['hf']['step_ms']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
