@@ -456,8 +456,8 @@ def test_prepare_and_vocab_refused_while_another_process_holds_the_output(tmp_pa
     out = tmp_path / "data"
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from bertrain.utils.rundir import OutputLock\n"
-        f"with OutputLock({str(out)!r}, 'prepare'):\n    print('locked', flush=True); time.sleep(60)")],
-        stdout=subprocess.PIPE, text=True,
+        f"with OutputLock({str(out)!r}, 'prepare'):\n    print('locked', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,  # holds the lock until killed
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])))
     try:
         assert holder.stdout.readline().strip() == "locked"

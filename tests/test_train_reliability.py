@@ -66,8 +66,8 @@ def test_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(tmp_path,
 def test_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from bertrain.utils.rundir import OutputLock\n"
-                               f"with OutputLock({str(out)!r}, 'pretrain'):\n print('held', flush=True); time.sleep(600)"],
-                              env=cli_env(), stdout=subprocess.PIPE, text=True)
+                               f"with OutputLock({str(out)!r}, 'pretrain'):\n print('held', flush=True); sys.stdin.read()"],
+                              env=cli_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)

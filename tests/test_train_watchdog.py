@@ -351,8 +351,15 @@ def _barrier_worker(rank: int, world_size: int, out: str) -> None:
     from bertrain.train.config import DistributedConfig
     from bertrain.train.distributed import barrier, distributed_context
     with distributed_context(DistributedConfig(backend="gloo", device="cpu", timeout_s=2, heartbeat_timeout_s=0)):
-        if rank == 0:
-            time.sleep(4)  # longer than any collective may wait
+        marker = Path(out, "rank1-waiting")
+        if rank == 0:  # slow: rank 0 arrives once rank 1 has waited twice as long as any collective may wait
+            deadline = time.monotonic() + 120
+            while not marker.exists():  # readiness: rank 1 is at the barrier (however loaded the machine)
+                assert time.monotonic() < deadline, "rank 1 never reached the barrier"
+                time.sleep(0.05)
+            time.sleep(4)  # the delay under test, counted from rank 1's arrival: 2 x timeout_s
+        else:
+            marker.write_text("")
         barrier(waiting_for="rank 0 to prepare the data", poll_s=0.1)
         barrier()  # the group is still usable
         Path(out, f"rank{rank}").write_text("passed")
@@ -361,7 +368,7 @@ def _barrier_worker(rank: int, world_size: int, out: str) -> None:
 @pytest.mark.slow
 def test_a_long_barrier_outlasts_the_collective_timeout(tmp_path: Path) -> None:
     spawn(_barrier_worker, 2, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1", "rank1-waiting"]
 
 
 # ----------------------------------------------------------------------------------------------- real runs
