@@ -209,6 +209,11 @@ def splits_sentences(sample: SampleConfig) -> bool:
     return not sample.next_sentence and sample.split_sentences
 
 
+def _block_kind(sample: SampleConfig) -> str:
+    """The kind of blocks in cache and static-folder names ("packed" = whole sentences, its name from before)."""
+    return "nsp" if sample.next_sentence else ("packed-split" if sample.split_sentences else "packed")
+
+
 def _token_windows(store: TokenStore, sample: SampleConfig, seed: int, max_tokens: int) -> np.ndarray:
     """Packed blocks as consecutive token windows over the whole corpus: [token start, token end, document of the
     start]. Window k's length is its target (`max_tokens`, or with `short_seq_prob` a random shorter one), keyed by
@@ -235,11 +240,9 @@ def _token_windows(store: TokenStore, sample: SampleConfig, seed: int, max_token
 
 def load_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarray:
     """`build_blocks`, cached in the prepared folder (atomic write; rebuilt if missing or unreadable)."""
-    split = splits_sentences(sample)
-    kind = "nsp" if sample.next_sentence else ("packed-split" if split else "packed")
-    name = f"blocks-v2-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-{kind}-seed{seed}.npy"
+    name = f"blocks-v2-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-{_block_kind(sample)}-seed{seed}.npy"
     path = store.dir / "cache" / name
-    last = store.num_tokens if split else store.num_sentences
+    last = store.num_tokens if splits_sentences(sample) else store.num_sentences
     if path.is_file():
         try:
             blocks = np.load(path)
@@ -519,10 +522,9 @@ def sample_from_record(record: dict[str, Any] | None, default_seed: int = 12345)
 
 
 def static_dir_name(sample: SampleConfig, seed: int, dupe_factor: int) -> str:
-    kind = "nsp" if sample.next_sentence else ("packed-split" if sample.split_sentences else "packed")
     return (f"static-s{sample.max_seq_length}-p{sample.max_predictions_per_seq}-m{sample.masked_lm_prob:g}"
             f"-short{sample.short_seq_prob:g}-{'wwm-' if sample.whole_word_masking else ''}"
-            f"{kind}-d{dupe_factor}-seed{seed}")
+            f"{_block_kind(sample)}-d{dupe_factor}-seed{seed}")
 
 
 def write_static_meta(out_dir: Path, sample: SampleConfig, seed: int, dupe_factor: int, num_instances: int,
