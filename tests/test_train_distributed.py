@@ -177,3 +177,25 @@ def test_on_rank0_value_and_every_failure_reach_every_rank(tmp_path: Path) -> No
     assert r0[4][:2] == ["os", "FileNotFoundError"]
     assert r1[4][:2] == ["os", "UserError"]  # a missing file is the user's to fix: exit 2 on every rank
     assert r0[5] == r1[5] == ["after", "done"]
+
+
+def test_one_rank_group_of_a_named_backend_runs_ddp_and_fsdp_and_equals_the_plain_run(tmp_path: Path) -> None:
+    """`distributed.backend` named under a launcher at world size 1: a one-rank group (the code paths of NCCL on one
+    GPU, here gloo), DDP-wrapped, or FSDP2 with DCP checkpoints; the numbers are the plain run's, bit for bit."""
+    finals = {}
+    for name, extra in [("plain", {}), ("ddp", {"distributed": {"backend": "gloo"}}),
+                        ("fsdp", {"distributed": {"backend": "gloo"}, "parallelism": {"strategy": "fsdp"}})]:
+        cfg = base_config(tmp_path / name)
+        for key, values in extra.items():
+            cfg[key] = {**cfg.get(key, {}), **values}
+        spawn(_train_worker, 1, cfg, None)
+        finals[name] = torch.load(tmp_path / name / "rank0.pt")["params"]
+        assert (tmp_path / name / "step-4" / "dcp").is_dir() == (name == "fsdp")
+        assert losses(tmp_path / name) == losses(tmp_path / "plain")
+    for name in ("ddp", "fsdp"):
+        assert all(torch.equal(finals[name][k], finals["plain"][k]) for k in finals["plain"]), name
+    # without a named backend one rank makes no group, and fsdp is refused as before
+    cfg = base_config(tmp_path / "refused")
+    cfg["parallelism"] = {"strategy": "fsdp"}
+    with pytest.raises(Exception, match="fsdp but the job has 1 rank"):
+        spawn(_train_worker, 1, cfg, None)

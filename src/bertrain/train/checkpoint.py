@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -180,6 +181,16 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def use_deterministic_kernels(enabled: bool) -> None:
+    """`train.deterministic`: only deterministic kernels from here on (a process setting). cuBLAS needs its
+    workspace fixed before its first call: `CUBLAS_WORKSPACE_CONFIG` is set unless the user set it already."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
 
 
 def seed_rank_rng(seed: int, rank: int, step: int) -> None:

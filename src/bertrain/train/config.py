@@ -331,6 +331,10 @@ class TrainConfig:
     """Log metrics every this many steps."""
     trim_padding: bool = True
     """Drop padding columns beyond the longest sequence of each micro-batch (same result, less compute)."""
+    deterministic: bool = False
+    """Deterministic kernels only (`torch.use_deterministic_algorithms`, cuBLAS's fixed workspace), so that on a GPU
+    the same run, and a killed and resumed one, give the same weights bit for bit, at some speed cost. Without it a
+    CUDA run may differ in the last bits from run to run (atomic-add reductions); CPU runs are deterministic anyway."""
     max_time: str = ""
     """A wall-clock budget for the training loop, e.g. '90m', '24h', '1h30m', '3600s' ('' = none): the run ends
     cleanly at the first step past it (checkpoint, final evaluation and export, exit 0). The time spent is part of

@@ -44,7 +44,9 @@ class DistInfo:
 def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     """Join the process group of the launcher (if any), pin this rank to its local GPU, and describe the result.
 
-    gloo on CPU, nccl on GPU (unless `cfg.backend` says otherwise). At world size 1 no group is created.
+    gloo on CPU, nccl on GPU (unless `cfg.backend` says otherwise). At world size 1 no group is created, unless a
+    launcher started the process and `cfg.backend` names one: then a one-rank group of that backend (NCCL's code
+    paths on a single GPU, as a multi-GPU job would take them).
     """
     cfg = cfg or DistributedConfig()
     layout = launch_env()
@@ -61,7 +63,8 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     backend = None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local, "device": str(device),
           "launcher": layout.launcher if layout else None}
-    if world > 1 and not torch_dist.is_initialized():
+    one_rank_group = layout is not None and cfg.backend != "auto"
+    if (world > 1 or one_rank_group) and not torch_dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
         if backend == "nccl" and not use_cuda:
             raise ValueError("config key 'distributed.backend' is nccl but the device is CPU; use gloo")
@@ -84,7 +87,7 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
             log.info("%s", describe_layout(layout, backend, _identities))
     elif torch_dist.is_initialized():
         backend = torch_dist.get_backend()
-    if layout and world == 1:
+    if layout and world == 1 and backend is None:
         log.info("%s", describe_layout(layout, None, [me]))
     if rank != 0:
         _quiet_other_ranks()
@@ -116,16 +119,17 @@ def rank_identities() -> list[dict[str, Any]]:
 
 
 def is_distributed() -> bool:
-    return torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+    """A process group exists (also a one-rank group of a named backend: its collectives then run, on one rank)."""
+    return torch_dist.is_available() and torch_dist.is_initialized()
 
 
 def wrap_model(model: nn.Module, dist: DistInfo, cfg: DistributedConfig | None = None) -> nn.Module:
-    """DDP when world_size > 1, else the model itself.
+    """DDP when there is a process group (world_size > 1, or a named backend on one rank), else the model itself.
 
     DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank starts from identical weights even
     if their initialisation differed (we also build the model with the same seed on every rank).
     """
-    if dist.world_size == 1:
+    if not is_distributed():
         return model
     cfg = cfg or DistributedConfig()
     # DDP's buffer options are left at their defaults: our models register no buffers, so there is nothing to

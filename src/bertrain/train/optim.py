@@ -112,7 +112,9 @@ class Lamb(torch.optim.Optimizer):
             states = [self.state[p] for p in params]
             for p, st in zip(params, states):
                 if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    # on the host, as torch's own optimizers keep it: the bias corrections read it as a Python
+                    # float, which on a GPU tensor would stall the step on a device-to-host copy
+                    st["step"] = torch.zeros((), dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             foreach = self.foreach if self.foreach is not None else params[0].is_cuda

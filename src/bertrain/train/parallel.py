@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from bertrain.model.bert import BertLayer
 from bertrain.train.config import ParallelismConfig, TrainerConfig
-from bertrain.train.distributed import DistInfo
+from bertrain.train.distributed import DistInfo, is_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,6 +40,9 @@ class ParallelDims:
     (`parallelism.dp_shard`, all by default) and replicates over the rest (HSDP)."""
     dp_replicate: int
     dp_shard: int
+    one_rank: bool = False
+    """fsdp on a one-rank process group (launched with a named `distributed.backend`): nothing is split, but every
+    FSDP2 code path runs (mixed-precision gathers, sharded optimizer state, DCP checkpoints), e.g. on one GPU."""
 
     @property
     def world_size(self) -> int:
@@ -47,7 +50,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard > 1 or self.one_rank
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig, world_size: int) -> "ParallelDims":
@@ -55,9 +58,11 @@ class ParallelDims:
         p, mode = cfg.parallelism, cfg.precision.mode
         fsdp = p.strategy == "fsdp"
         errors = []  # all at once, each naming its key
-        if fsdp and world_size < 2:
+        one_rank = fsdp and world_size == 1 and is_distributed()
+        if fsdp and world_size < 2 and not one_rank:
             errors.append("config key 'parallelism.strategy' is fsdp but the job has 1 rank: there is nothing to "
-                          "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N)")
+                          "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N; one rank "
+                          "runs FSDP2 when launched with a named distributed.backend)")
         compression = cfg.distributed.grad_compression
         if fsdp and compression != "none":
             errors.append(f"config key 'distributed.grad_compression' ({compression}) is a DDP allreduce hook; "
@@ -66,7 +71,7 @@ class ParallelDims:
             errors.append("config keys 'parallelism.param_dtype'/'reduce_dtype' fp16 need the loss scaling "
                           f"of 'precision.mode' fp16 (it is {mode}); use bf16, or precision.mode fp16")
         shard = p.dp_shard or world_size
-        if fsdp and world_size >= 2 and (shard < 2 or world_size % shard):
+        if fsdp and not one_rank and world_size >= 2 and (shard < 2 or world_size % shard):
             errors.append(f"config key 'parallelism.dp_shard' ({p.dp_shard}) must divide the world size "
                           f"({world_size}) and be at least 2: dp_replicate x dp_shard = world size; use 0 for all "
                           "ranks, or a divisor such as the GPUs per node")
@@ -78,7 +83,7 @@ class ParallelDims:
                        if getattr(p, key) != getattr(default, key)]
         if errors:
             raise ValueError("; ".join(errors))
-        return cls(world_size // shard, shard) if fsdp else cls(world_size, 1)
+        return cls(world_size // shard, shard, one_rank) if fsdp else cls(world_size, 1)
 
 
 def mixed_precision_policy(cfg: TrainerConfig) -> MixedPrecisionPolicy:

@@ -41,7 +41,7 @@ EXACT_KEYS = ("train.log_interval", "train.trim_padding", "checkpoint.", "data.n
               "data.predict_test", "data.cache_dir", "data.n_best_size", "data.max_answer_length",
               "data.null_score_diff_threshold", "data.dev_file", "data.dev_articles",
               # more or fewer evaluations, a longer or shorter budget: the steps taken are the same
-              "eval.enabled", "eval.interval", "eval.each_epoch", "train.max_time",
+              "eval.enabled", "eval.interval", "eval.each_epoch", "train.max_time", "train.deterministic",
               # where the records go and what is profiled: the numbers are the same
               "metrics.", "profile.")
 

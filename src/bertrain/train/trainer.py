@@ -158,6 +158,7 @@ class Trainer:
         plan = resolve_batch(cfg.train, dist.world_size)
         dims = ParallelDims.from_config(cfg, dist.world_size)  # refuses a strategy that does not fit the job
         loader = task.build_loader(dist, plan)
+        ckpt.use_deterministic_kernels(cfg.train.deterministic)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         model = apply_model_options(task.build_model(), cfg.model_options).to(dist.device)
         template = None
