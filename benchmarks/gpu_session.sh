@@ -7,6 +7,8 @@
 #                                           # precision and HF-parity tests
 #   bash benchmarks/gpu_session.sh smoke    # a few steps of every bench path (crashes first, speed later)
 #   bash benchmarks/gpu_session.sh main     # the README's main job on the GPU, bf16: bertrain run pydoc-small
+#   bash benchmarks/gpu_session.sh fsdp1    # FSDP2 on one rank over NCCL, five settings: which run
+#   bash benchmarks/gpu_session.sh profile  # torch.profiler of phase-1 steps (benchmarks/gpu_profile.py)
 #   bash benchmarks/gpu_session.sh p1       # BERT-Large phase 1 (seq 128, batch 64), bf16, LAMB, vs HF SDPA+compile
 #   bash benchmarks/gpu_session.sh p2       # BERT-Large phase 2 (seq 512, batch 16)
 #   bash benchmarks/gpu_session.sh jagged   # phases 1 and 2 with attention on nested (jagged) tensors
@@ -92,8 +94,8 @@ print(f"bf16 matmul 8192^3: {2 * 8192 ** 3 / sorted(times)[10] / 1e12:.0f} TFLOP
 EOF
     ;;
 tests)
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_fastpath.py \
-        tests/test_train_optim.py tests/test_train_precision.py tests/test_hf_parity.py > "$OUT/tests.txt" 2>&1
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/test_cuda.py tests/test_fastpath.py \
+        tests/test_train_optim.py tests/test_train_precision.py tests/test_hf_parity.py} > "$OUT/tests.txt" 2>&1
     echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -15
     ;;
 smoke)
@@ -115,6 +117,40 @@ main)
         > "$OUT/main.txt" 2> "$OUT/main.err"
     echo "main rc=$? wall $(( $(date +%s) - start )) s"; tail -5 "$OUT/main.txt"; tail -3 "$OUT/main.err"
     cp runs/pydoc-small/report/report.md "$OUT/main-report.md" 2>/dev/null
+    ;;
+fsdp1)  # FSDP2 on one rank (NCCL): which settings run, which crash (issue 26)
+    "$PY" - <<'EOF'
+import json
+base = {"model": {"preset": "mini", "dropout": 0.1}, "data": {"synthetic_samples": 512, "vocab_size": 200},
+        "sample": {"max_seq_length": 64, "max_predictions_per_seq": 8},
+        "train": {"steps": 8, "global_batch_size": 32, "micro_batch_size": 16, "log_interval": 1},
+        "optim": {"name": "lamb", "lr": 0.005}, "precision": {"mode": "bf16"},
+        "checkpoint": {"save_interval": 4, "keep_last": 0},
+        "distributed": {"device": "cuda", "backend": "nccl"}, "seed": 11}
+variants = {"bf16": {}, "bf16-acc1": {"train": {"micro_batch_size": 32}},
+            "fp32gather": {"parallelism": {"param_dtype": "fp32"}},
+            "noreshard": {"parallelism": {"reshard_after_forward": False}},
+            "fp32": {"precision": {"mode": "fp32"}}}
+for name, extra in variants.items():
+    c = json.loads(json.dumps(base))
+    c["parallelism"] = {"strategy": "fsdp"}
+    for k, v in extra.items():
+        c.setdefault(k, {}).update(v)
+    c["output_dir"] = f"/tmp/fsdp1/{name}"
+    json.dump(c, open(f"/tmp/fsdp1-{name}.json", "w"))
+EOF
+    for v in bf16 bf16-acc1 fp32gather noreshard fp32; do
+        timeout 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m bertrain pretrain \
+            --config /tmp/fsdp1-$v.json > "$OUT/fsdp1-$v.log" 2>&1
+        echo "fsdp1 $v rc=$? $(grep -m1 -E 'RuntimeError|Error:' "$OUT/fsdp1-$v.log" | cut -c1-150)"
+    done
+    ;;
+profile)  # torch.profiler of BERT-Large phase-1 steps: ours eager, ours compiled, HF compiled
+    for args in "" "--compile" "--side hf --compile"; do
+        timeout 240 "$PY" benchmarks/gpu_profile.py --model large --seq-len 128 --batch-size 64 --optimizer lamb \
+            $args --out "$OUT/profile" > "$OUT/profile-$(echo "$args" | tr -d ' -').txt" 2>&1
+        echo "profile [$args] rc=$?"; grep -m1 "step .* ms back to back" "$OUT/profile-$(echo "$args" | tr -d ' -').txt"
+    done
     ;;
 p1)
     bench large-phase1 --model large --seq-len 128 --batch-size 64 --device cuda --precision bf16 --compare hf \
@@ -145,7 +181,7 @@ ttq-ft)
     echo "ttq-ft rc=$?"; tail -25 "$OUT/ttq-sst2/summary.md" 2>/dev/null || tail -5 "$OUT/ttq-sst2.log"
     ;;
 *)
-    echo "unknown part $part: env | tests | smoke | main | p1 | p2 | jagged | squad | ttq | ttq-ft" >&2; exit 2
+    echo "unknown part $part: env | tests | smoke | main | fsdp1 | profile | p1 | p2 | jagged | squad | ttq | ttq-ft" >&2; exit 2
     ;;
 esac
 done

@@ -95,6 +95,31 @@ def test_bf16_autocast_pretraining_step_is_close_to_fp32_on_cuda() -> None:
     assert rel < 5e-2, rel  # bf16 operands: about 1e-2 relative error per product
 
 
+@pytest.mark.parametrize("jagged", [False, True])
+def test_a_mask_on_the_host_gives_the_same_model_as_on_the_gpu(jagged: bool) -> None:
+    """The trainer keeps the attention mask on the host (its lengths are read there, no sync): same outputs and
+    gradients as with the mask on the GPU, unpadded and jagged."""
+    from bertrain.bench.batches import pretraining_batch
+    from bertrain.model.bert import BertConfig, BertForPreTraining
+    from bertrain.model.options import ModelOptionsConfig, apply_model_options
+    cfg = BertConfig.from_preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    host = pretraining_batch(cfg, 6, 40, seed=3)
+    torch.manual_seed(0)
+    model = apply_model_options(BertForPreTraining(cfg), ModelOptionsConfig(jagged_attention=jagged)).to(CUDA)
+    results = []
+    for mask in (host["attention_mask"], host["attention_mask"].to(CUDA)):
+        b = {k: v.to(CUDA) for k, v in host.items()}
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=mask,
+                    masked_positions=b["masked_positions"], labels=b["masked_labels"],
+                    next_sentence_label=b["next_sentence_labels"])
+        out.loss.backward()
+        results.append((out.prediction_logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    for g0, g1 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------------------------- CLI runs
 
 def pretrain_config(path: Path, out: Path, steps: int = 24, save_interval: int = 4, **sections: dict) -> Path:
@@ -176,9 +201,13 @@ def test_torchrun_one_rank_on_nccl_equals_the_plain_run(straight: Path, tmp_path
     r = torchrun(pretrain_config(tmp_path / "nccl.json", out, distributed={"device": "cuda", "backend": "nccl"}))
     assert "nccl" in (r.stdout + r.stderr)
     a, b = final(straight), final(out)
-    # DDP on one rank: the all-reduce of a single gradient is that gradient, so the run is the plain one
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert losses(straight) == losses(out)
+    # DDP on one rank: the all-reduce of a single gradient is that gradient, so the run is the plain one up to the
+    # order of floating-point work (on CUDA it was not bitwise: BENCHMARKS.md "GPU")
+    diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    la, lb = losses(straight), losses(out)
+    assert sorted(la) == sorted(lb)
+    torch.testing.assert_close([lb[s] for s in sorted(lb)], [la[s] for s in sorted(la)], rtol=1e-3, atol=0)
+    assert diff < 1e-3, diff
 
 
 def test_fsdp2_on_one_rank_nccl_trains_like_ddp(straight: Path, tmp_path: Path) -> None:
@@ -222,9 +251,11 @@ def test_no_host_sync_in_the_steady_state_step(tmp_path: Path) -> None:
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing" in str(message) and torch.cuda.get_sync_debug_mode():
-            frames = traceback.extract_stack()[:-1]
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                      and not f.filename.endswith("warnings.py")]
             ours = [f for f in frames if f.filename.startswith(SRC)]
-            if not any(f.name in allowed for f in ours):
+            # the innermost caller is bertrain's (not this test's own switch), outside the allowed places
+            if frames and frames[-1].filename.startswith(SRC) and not any(f.name in allowed for f in ours):
                 syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-4:])))
 
     trainer.take, shown = take, warnings.showwarning

@@ -140,8 +140,12 @@ def bench_mode(mode: str, opts: BenchConfig, peak: float) -> dict[str, Any]:
         b = pretraining_batch(config, B, T, opts.seed, opts.min_len_frac)
     else:
         b = qa_batch(config, B, T, opts.seed, opts.min_len_frac)
+    host_mask = b["attention_mask"]
     b = {k: v.to(device) for k, v in b.items()}
-    lengths = b["attention_mask"].sum(1).cpu()
+    # ours gets the mask on the host, as the trainer passes it (train/trainer.py:to_device): the layout's lengths
+    # are read there, not from the GPU; HF's model takes every input on the device
+    b_ours = {**b, "attention_mask": host_mask}
+    lengths = host_mask.sum(1)
     masked = int((b["masked_labels"] != -100).sum()) if mode == "pretrain" else 0
     flops = model_flops(config, lengths, mode, masked)
 
@@ -151,10 +155,11 @@ def bench_mode(mode: str, opts: BenchConfig, peak: float) -> dict[str, Any]:
         if model is None:
             continue
         is_ours = model is ours
+        inputs = b_ours if is_ours else b
         if mode == "pretrain":
-            fwd = pretrain_forward(model, b, is_ours, opts.masked_head or not is_ours)
+            fwd = pretrain_forward(model, inputs, is_ours, opts.masked_head or not is_ours)
         else:
-            fwd = qa_forward(model, b, with_loss=training)
+            fwd = qa_forward(model, inputs, with_loss=training)
         if training:
             step = make_train_step(model, fwd, bench_optimizer(model, opt_name, opts.foreach), device,
                                    opts.precision, opts.foreach)

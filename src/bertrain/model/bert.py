@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertrain.model.losses import classification_loss_sums, mean_from_sums, pretraining_loss_sums, qa_loss_sums
-from bertrain.model.unpad import AttentionLayout, attention_layout
+from bertrain.model.unpad import AttentionLayout, attention_layout, to_device
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -371,7 +371,8 @@ class BertModel(BertPreTrainedModel):
                              f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention)
+        layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention,
+                                  device=input_ids.device)  # the mask may be on the host: model/unpad.py
         x = self.embeddings(layout.flatten(input_ids), layout.flatten(token_type_ids),
                             layout.position_ids(input_ids))               # (B, T, H), or (N, H) unpadded
         x = self.encoder(x, layout)                                        # (B, T, H), or (N, H) unpadded
@@ -496,7 +497,8 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         logits = self.qa_outputs(out.last_hidden_state)                    # (B, T, 2)
         if self.bert.unpad and not reads_padding and attention_mask is not None:
             # unpadded: padding has no hidden state of its own (0 there), so no logit of its own either
-            logits = logits.masked_fill(~attention_mask.bool()[..., None], -10000.0)
+            padding = ~to_device(attention_mask, logits.device).bool()
+            logits = logits.masked_fill(padding[..., None], -10000.0)
         start_logits, end_logits = logits.unbind(dim=-1)                   # 2 x (B, T)
         loss = None
         if start_positions is not None and end_positions is not None:

@@ -9,6 +9,11 @@ Three layouts, each tested equal to the first (tests/test_fastpath.py):
   up to a multiple of 8. Attention scatters the fused QKV into that zero grid, masks it, and gathers back.
 * unpadded + jagged: as unpadded, but attention runs on nested (jagged) tensors, so there is no padding anywhere
   (SDPA picks a variable-length kernel: flash on CUDA).
+
+The layout depends on the batch's lengths, which are data: read on a GPU they would stall the host every step (a
+device-to-host copy waits for all queued work). So the mask may stay on the host while the batch is on the GPU (the
+trainer does that, `train/trainer.py:to_device`): the layout is then computed there and only its tensors go to the
+GPU, as copies that do not wait. With a mask on the GPU the same code runs there, at one sync per forward.
 """
 from __future__ import annotations
 
@@ -77,13 +82,23 @@ def scatter_rows(x: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Ten
 def unpad_indices(attention_mask: torch.Tensor, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """For unpadding: the flat indices (N,) of the real tokens in the (B, T') grid, and that grid's (B, T') mask,
     T' = the last column holding a real token, rounded up to `multiple` (bounded shapes for kernels and compile).
-    One host sync (the number of real tokens)."""
+    On the device of the mask (on a GPU: one host sync, for the number of real tokens)."""
     mask = attention_mask.bool()
     T = mask.size(1)
     last = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
     T = min(T, -(-last // multiple) * multiple)
     mask = mask[:, :T]
     return mask.reshape(-1).nonzero().squeeze(1), mask
+
+
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting: staged in pinned memory, whose block the caching host
+    allocator keeps until the copy is done (a copy from pageable memory would synchronize the stream first)."""
+    if device is None or t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def sdpa_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -169,17 +184,20 @@ class AttentionLayout:
         return F.pad(h, (0, 0, 0, seq_len - Tp)) if Tp < seq_len else h   # (B, T, H)
 
 
-def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False,
-                     jagged: bool = False) -> AttentionLayout:
+def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False, jagged: bool = False,
+                     device: torch.device | None = None) -> AttentionLayout:
     """The layout for a batch with `attention_mask` (B, T) (None: no padding). `unpad`: run on the real tokens only
     (when there is padding to remove); `jagged`: unpadded attention on nested tensors (when no row is empty: a row
-    without tokens has no sequence to nest, so such a batch falls back to the unpadded grid)."""
+    without tokens has no sequence to nest, so such a batch falls back to the unpadded grid). `device`: where the
+    model computes; a mask on the host is read there (no device sync) and the layout's tensors are sent over."""
     if not unpad or attention_mask is None or bool(attention_mask.bool().all()):
-        return AttentionLayout(mask=sdpa_mask(attention_mask))
+        return AttentionLayout(mask=to_device(sdpa_mask(attention_mask), device) if attention_mask is not None
+                               else None)
     indices, grid = unpad_indices(attention_mask)                         # (N,), (B, T')
     nested = None
     if jagged:
         lengths = grid.sum(1)                                              # (B,)
         if bool(lengths.all()):
-            nested = Jagged(F.pad(lengths.cumsum(0), (1, 0)), int(lengths.max()))
-    return AttentionLayout(mask=sdpa_mask(grid), indices=indices, jagged=nested)
+            nested = Jagged(to_device(F.pad(lengths.cumsum(0), (1, 0)), device), int(lengths.max()))
+    return AttentionLayout(mask=to_device(sdpa_mask(grid), device), indices=to_device(indices, device),
+                           jagged=nested)

@@ -46,6 +46,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from bertrain.config import save_config
 from bertrain.model.options import apply_model_options
+from bertrain.model.unpad import to_device as to_device_tensor
 from bertrain.train import checkpoint as ckpt
 from bertrain.train import schedules
 from bertrain.train.config import BatchPlan, TrainConfig, TrainerConfig, resolve_batch
@@ -445,7 +446,12 @@ def trim_padding(batch: Batch) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch on `device`. On a GPU the copies do not wait (staged in pinned memory: from pageable memory CUDA
+    synchronizes the stream first), and the attention mask stays on the host: the model reads the batch's lengths
+    from it there (model/unpad.py), where reading a GPU tensor would stall every step."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v if k == "attention_mask" else to_device_tensor(v, device) for k, v in batch.items()}
 
 
 NO_STEP_LIMIT = 2 ** 62
@@ -485,6 +491,8 @@ class Meter:
         groups = len(self.task.loss_groups)
         self.losses = torch.zeros(groups, dtype=torch.float64, device=self.device)
         self.sums: torch.Tensor | None = None  # allocated at the first micro-batch, once the task's keys are known
+        self.tokens, self.seqs = 0, 0  # real tokens and sequences of this rank since the last flush
+        self.device_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.steps = 0
         self.stepped = 0
@@ -495,11 +503,14 @@ class Meter:
         if self.keys is None:
             self.keys = sorted(sums)
         if self.sums is None:
-            self.sums = torch.zeros(len(self.keys) + 2, dtype=torch.float64, device=self.device)
-        values = [sums[k].detach().double().reshape(()) for k in self.keys]
-        values += [batch["attention_mask"].sum().double(),
-                   torch.tensor(batch["input_ids"].shape[0], dtype=torch.float64, device=self.device)]
-        self.sums += torch.stack(values)
+            self.sums = torch.zeros(len(self.keys), dtype=torch.float64, device=self.device)
+        self.sums += torch.stack([sums[k].detach().double().reshape(()) for k in self.keys])
+        mask = batch["attention_mask"]
+        if mask.device.type == "cpu":  # on the host (to_device keeps it there): counted without touching the GPU
+            self.tokens += int(mask.sum())
+        else:
+            self.device_tokens += mask.sum().double()
+        self.seqs += batch["input_ids"].shape[0]
 
     def add_step(self, shares: torch.Tensor, grad_norm: torch.Tensor, stepped: bool) -> None:
         self.losses += shares.double()
@@ -511,9 +522,11 @@ class Meter:
     def flush(self, state: TrainState, optimizer: torch.optim.Optimizer, precision: Precision,
               dist: DistInfo) -> dict[str, Any]:
         assert self.sums is not None and self.keys is not None
-        both = all_reduce_sum(torch.cat([self.losses, self.sums])).tolist()
+        counts = torch.tensor([self.tokens, self.seqs], dtype=torch.float64, device=self.device)
+        counts[0] += self.device_tokens
+        both = all_reduce_sum(torch.cat([self.losses, self.sums, counts])).tolist()
         groups = self.task.loss_groups
-        losses, sums = both[:len(groups)], dict(zip(self.keys, both[len(groups):]))
+        losses, sums = both[:len(groups)], dict(zip(self.keys, both[len(groups):-2]))
         tokens, seqs = both[-2:]
         wait = torch.tensor([self.data_time], dtype=torch.float64, device=self.device)
         wait = all_reduce_sum(wait).item() / dist.world_size
