@@ -4,8 +4,8 @@
         [--jagged-attention] [--side hf] [--out DIR]
 
 Prints the step time (CUDA events, no sync inside the step), the GPU's busy time per step (kernels, from the
-profiler), kernel launches per step, and the top kernels and host-side operators; writes the full tables (and the
-Chrome trace, gzipped) to --out. The step is bench's (bertrain.bench.steps.make_train_step: forward under bf16
+profiler), kernel launches per step, and the top kernels and host-side operators; writes the full tables (and with
+--trace the Chrome trace, gzipped) to --out. The step is bench's (bertrain.bench.steps.make_train_step: forward under bf16
 autocast, backward, clip, optimizer step), on bench's synthetic batch, the mask kept on the host for ours as the
 trainer keeps it. Needs CUDA.
 """
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzipped) to --out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs CUDA")
@@ -97,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         name = f"{args.side}-{args.model}-T{args.seq_len}{'-compile' if args.compile else ''}"
         (args.out / f"{name}.txt").write_text(f"{by_device}\n\n{by_host}\n")
-        trace = args.out / f"{name}.json"
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        trace.unlink()
+        if args.trace:
+            trace = args.out / f"{name}.json"
+            prof.export_chrome_trace(str(trace))
+            with trace.open("rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            trace.unlink()
     return 0
 
 
