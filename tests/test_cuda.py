@@ -228,6 +228,30 @@ def test_fsdp2_on_one_rank_nccl_trains_like_ddp(straight: Path, tmp_path: Path) 
 
 # ----------------------------------------------------------------------------------------------- host syncs
 
+@pytest.mark.parametrize("name", ["lamb", "nvlamb", "adamw", "adamw-nobc", "radam"])
+def test_optimizer_step_and_clipping_do_not_sync(name: str) -> None:
+    """LAMB reads its step count as a Python float for the bias corrections: kept on the host, as torch's own
+    optimizers keep it, that read does not wait for the GPU (it did, before issue 26)."""
+    from bertrain.model.bert import BertConfig, BertForPreTraining
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100)).to(CUDA)
+    opt = build_optimizer(model, OptimConfig(name=name.split("-")[0], lr=1e-3, bias_correction="nobc" not in name))
+    params = list(model.parameters())
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        if step > 0:  # the first step creates the state
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    if name in ("lamb", "nvlamb"):
+        assert all(st["step"].device.type == "cpu" and float(st["step"]) == 3 for st in opt.state.values())
+
+
 def test_no_host_sync_in_the_steady_state_step(tmp_path: Path) -> None:
     """20 steps under torch.cuda.set_sync_debug_mode("warn"): the one per-step flags all-reduce (step_flags) is the
     only host sync; the log flush every log_interval steps is the other allowed place."""

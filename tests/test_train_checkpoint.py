@@ -131,3 +131,20 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     assert 2 <= last < 400 and ckpt.verify_checkpoint(out / f"step-{last}") is None
     assert ckpt.load_train_state(out / f"step-{last}")["state"]["step"] == last
     assert not (out / "final").exists()  # stopped early: not exported as final
+
+
+def test_deterministic_kernels_switch_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train.deterministic`: torch's deterministic-only mode and cuBLAS's fixed workspace (set before the first
+    cuBLAS call; a user's own setting is kept); off again for the next run in the same process."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        ckpt.use_deterministic_kernels(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        import os
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        ckpt.use_deterministic_kernels(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        ckpt.use_deterministic_kernels(False)
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
