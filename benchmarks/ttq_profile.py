@@ -42,10 +42,13 @@ def batches(task_name: str, init: str, data_dir: Path, batch: int, n: int, max_l
 
 
 def build(side: str, init: str, jagged: bool = False) -> torch.nn.Module:
-    if side == "bertrain":
+    """`bertrain` (its defaults: unpadded, attention one sequence at a time on CPU), `bertrain-grid` (attention on
+    the padded grid, the default before issue 22's last change) or `hf`."""
+    if side.startswith("bertrain"):
         from bertrain.model.options import ModelOptionsConfig, apply_model_options
         from bertrain.tasks.finetune import load_model
-        return apply_model_options(load_model("cls", init, 2), ModelOptionsConfig(jagged_attention=jagged))
+        return apply_model_options(load_model("cls", init, 2), ModelOptionsConfig(
+            jagged_attention=jagged, per_sequence_attention=side != "bertrain-grid"))
     from transformers import BertForSequenceClassification
     return BertForSequenceClassification.from_pretrained(init, num_labels=2)
 
@@ -94,7 +97,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=15, help="operators shown per side")
     ap.add_argument("--jagged-attention", action="store_true", help="bertrain: attention on nested tensors")
-    ap.add_argument("--sides", default="bertrain,hf")
+    ap.add_argument("--sides", default="bertrain,hf", help="comma-separated: bertrain, bertrain-grid, hf")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = {"mrpc": "MRPC", "sst2": "SST-2"}.get(args.task, args.task.upper())
@@ -105,8 +108,9 @@ def main() -> None:
         results[side] = r = profile_side(side, args.init, data, args.warmup, args.rows, args.jagged_attention)
         print(f"\n=== {side}: median step {r['step_ms']:.0f} ms; {r['real_tokens']} real of {r['padded_tokens']} "
               f"padded tokens in the profiled steps\n{r['table']}")
-    if len(results) == 2:
-        print(f"\nbertrain / HF step time: {results['bertrain']['step_ms'] / results['hf']['step_ms']:.3f}")
+    for side in results:
+        if side != "hf" and "hf" in results:
+            print(f"{side} / HF step time: {results[side]['step_ms'] / results['hf']['step_ms']:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from bertrain.bench.steps import SplitQKV, split_qkv
 from bertrain.model.bert import (BertConfig, BertForPreTraining, BertForQuestionAnswering,
                                  BertForSequenceClassification, BertLayer, BertModel)
 from bertrain.model.options import ModelOptionsConfig, apply_model_options
-from bertrain.model.unpad import Jagged, gather_rows, scatter_rows, unpad_indices
+from bertrain.model.unpad import Jagged, Segments, gather_rows, scatter_rows, unpad_indices
 
 # Every test that takes `dev` also runs on CUDA when there is a GPU (the "device run" of issue 6): fp32 there too,
 # with a looser tolerance (different kernels on each side: SDPA with and without a mask, reductions in other orders).
@@ -33,9 +33,10 @@ def tiny(dropout: float = 0.0) -> BertConfig:
 
 
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
-                 ckpt: bool = False, seed: int = 0, jagged: bool = False):
+                 ckpt: bool = False, seed: int = 0, jagged: bool = False, per_sequence: bool = False):
     model.zero_grad(set_to_none=True)
-    apply_model_options(model, ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt))
+    apply_model_options(model, ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt,
+                                                  per_sequence_attention=per_sequence))
     x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
              next_sentence_label=b["next_sentence_labels"])
     if masked:
@@ -176,6 +177,66 @@ def test_jagged_attention_with_checkpointing_and_dropout(batch, monkeypatch):
     assert_same(g, g_ref, "grad")
 
 
+def count_segments(monkeypatch) -> list[int]:
+    """Count the per-sequence attention calls (one per layer), to prove that path ran."""
+    calls = [0]
+    original = Segments.attention
+
+    def attention(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+    monkeypatch.setattr(Segments, "attention", attention)
+    return calls
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_per_sequence_attention_pretraining_equals_padded(batch, ckpt, monkeypatch):
+    """Attention one sequence at a time (the CPU default): the same logits, loss and gradients as the padded path;
+    with checkpointing and dropout, the same as without checkpointing."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny()).train()
+    ref, g_ref = pretrain_run(model, batch, unpad=False)
+    calls = count_segments(monkeypatch)
+    out, g = pretrain_run(model, batch, unpad=True, per_sequence=True, ckpt=ckpt)
+    assert calls[0] == tiny().num_hidden_layers * (2 if ckpt else 1)  # checkpointing runs each layer again
+    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=ATOL)
+    assert_same(g, g_ref, "grad")
+    dropout = BertForPreTraining(tiny(dropout=0.1)).train()
+    a, g_a = pretrain_run(dropout, batch, unpad=True, per_sequence=True, seed=7)
+    b, g_b = pretrain_run(dropout, batch, unpad=True, per_sequence=True, ckpt=True, seed=7)
+    torch.testing.assert_close(a.loss, b.loss, rtol=RTOL, atol=ATOL)
+    assert_same(g_a, g_b, "grad")
+
+
+def test_per_sequence_attention_general_masks_and_an_empty_row(monkeypatch):
+    """Left padding, holes, a one-token row and a row without tokens: each row's real tokens attend to each other
+    only; the empty row's outputs are 0, as on the unpadded grid."""
+    torch.manual_seed(0)
+    model = BertModel(tiny()).eval()
+    B, T = 5, 19
+    ids = torch.randint(5, 1003, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :6] = 0
+    mask[1, 3:5] = 0
+    mask[1, 15:] = 0
+    mask[3, 1:] = 0
+    mask[2] = 0
+    ids = ids * mask
+    ref = model(ids, attention_mask=mask).last_hidden_state
+    apply_model_options(model, ModelOptionsConfig(per_sequence_attention=True))
+    calls = count_segments(monkeypatch)
+    out = model(ids, attention_mask=mask, reads_padding=False).last_hidden_state
+    assert calls[0] == tiny().num_hidden_layers
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
+    assert (out[~real] == 0).all()
+    # off with compile (the lengths would be new constants every batch): the grid instead (compile is lazy: this
+    # only wraps the layers)
+    compiled = apply_model_options(BertModel(tiny()), ModelOptionsConfig(per_sequence_attention=True, compile=True))
+    assert compiled.per_sequence_attention is False and model.per_sequence_attention is True
+
+
 def test_unpad_indices_trims_to_a_multiple_of_8():
     mask = torch.zeros(3, 64, dtype=torch.long)
     mask[0, :10], mask[1, :3], mask[2, :17] = 1, 1, 1
@@ -309,3 +370,18 @@ def test_compiled_layers_equal_eager(batch, jagged, ckpt):
     out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged, ckpt=ckpt)
     ref2, _ = pretrain_run(model2, b2, unpad=True, jagged=jagged)
     torch.testing.assert_close(out2.loss, ref2.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_per_sequence_attention_only_where_the_grid_is_mostly_padding():
+    """Per-sequence attention pays for its loop of SDPA calls only in batches with much padding: a batch that
+    fills its (B, T') grid to PER_SEQUENCE_BELOW_FILL or more keeps the grid."""
+    from bertrain.model.unpad import PER_SEQUENCE_BELOW_FILL, attention_layout
+    lengths = torch.tensor([32, 32, 32, 8])                              # fill 104 / 128 = 0.81
+    full = (torch.arange(32)[None] < lengths[:, None]).long()
+    assert attention_layout(full, unpad=True, per_sequence=True).segments is None
+    lengths = torch.tensor([32, 8, 8, 8])                                # fill 56 / 128 = 0.44
+    sparse = (torch.arange(32)[None] < lengths[:, None]).long()
+    layout = attention_layout(sparse, unpad=True, per_sequence=True)
+    assert layout.segments is not None and layout.segments.lengths == (32, 8, 8, 8)
+    assert 56 / 128 < PER_SEQUENCE_BELOW_FILL <= 104 / 128
+    assert attention_layout(sparse, unpad=True).segments is None         # off unless asked

@@ -403,3 +403,21 @@ def test_global_normalisation_over_micro_batches_equals_the_whole_batch():
     torch.testing.assert_close(nsp / nsp_total, whole.nsp_loss.detach())
     assert_same(grads(model), g_whole, "grad")
     assert abs(float(sum(means) / 2 - whole.mlm_loss.detach())) > 1e-3  # the naive average would not do
+
+
+def test_cpu_dropout_draws_the_same_distribution_and_its_gradient_is_the_mask() -> None:
+    """bert.Dropout draws its CPU mask with torch.rand instead of bernoulli_: keep rate 1 - p, kept values scaled by
+    1 / (1 - p), the gradient is the same mask, reproducible under a seed, identity in eval."""
+    from bertrain.model.bert import Dropout
+    d = Dropout(0.1).train()
+    x = torch.randn(400, 500, requires_grad=True)
+    torch.manual_seed(3)
+    y = d(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.005          # 200k draws: sd 0.0007
+    torch.testing.assert_close(y[kept], x[kept] / 0.9)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.9)
+    torch.manual_seed(3)
+    assert torch.equal(d(x), y)
+    assert torch.equal(d.eval()(x), x)

@@ -47,6 +47,7 @@ class BenchConfig:
                                         # tensor on CUDA, per-tensor on CPU); False: per-tensor loops
     checkpointing: bool = False
     jagged_attention: bool = False      # unpadded runs: attention on nested (jagged) tensors
+    per_sequence_attention: bool = True  # unpadded runs on CPU: attention one sequence at a time (else the grid)
     keep_freed_memory: bool = False     # CPU: the trainer's malloc setting (utils/memory.py), for both sides
 
     def __post_init__(self) -> None:
@@ -80,7 +81,8 @@ class BenchConfig:
     def model_options(self) -> ModelOptionsConfig:
         """Our model's speed options, as the trainer would apply them."""
         return ModelOptionsConfig(unpad=self.unpad, jagged_attention=self.jagged_attention,
-                            gradient_checkpointing=self.checkpointing, compile=self.compile)
+                                  per_sequence_attention=self.per_sequence_attention,
+                                  gradient_checkpointing=self.checkpointing, compile=self.compile)
 
 
 def configure_ours(model: nn.Module, mode: str, opts: BenchConfig) -> dict[str, Any]:
@@ -93,6 +95,7 @@ def configure_ours(model: nn.Module, mode: str, opts: BenchConfig) -> dict[str, 
         "unpad": opts.unpad and mode != "finetune",  # QA training keeps padding (HF's loss sees it)
         "gradient_checkpointing": opts.checkpointing,
         "jagged_attention": opts.jagged_attention,
+        "per_sequence_attention": opts.per_sequence_attention and not opts.compile and not opts.on_cuda,
         "fused_qkv": opts.fused_qkv,
     }
     if opts.compile:

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jagged-attention", action="store_true",
                         help="ours (unpadded runs): attention on nested/jagged tensors, no padding at all (flash "
                              "varlen on CUDA; slower on CPU)")
+    parser.add_argument("--grid-attention", dest="per_sequence_attention", action="store_false",
+                        help="ours (unpadded, CPU): attention on the padded grid instead of one sequence at a time")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="CPU: keep freed memory in the process, as `bertrain pretrain`/`finetune` do "
                              "(utils/memory.py); a process setting, so it applies to both sides of --compare")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                         min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,
                         masked_head=args.masked_head, fused_qkv=args.fused_qkv, foreach=args.foreach,
                         checkpointing=args.checkpointing, jagged_attention=args.jagged_attention,
-                        keep_freed_memory=args.keep_freed_memory)
+                        per_sequence_attention=args.per_sequence_attention, keep_freed_memory=args.keep_freed_memory)
     result = run_bench(opts)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

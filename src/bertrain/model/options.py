@@ -25,6 +25,11 @@ class ModelOptionsConfig:
     jagged_attention: bool = False
     """Unpadded runs: attention on nested (jagged) tensors, no padding even inside attention (SDPA's
     variable-length flash kernel on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md)."""
+    per_sequence_attention: bool = True
+    """Unpadded runs on CPU, not compiled and not jagged: attention one sequence at a time on its own rows, without
+    the padded (B, T') grid, its mask, its dropout draws and its zero fill (same results; the fine-tuning step on
+    MRPC-length pairs is PERSEQ_GAIN, BENCHMARKS.md). Ignored on a GPU (a kernel launch per sequence) and with compile
+    (the lengths would be new constants every batch)."""
     gradient_checkpointing: bool = False
     """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute); only
     where grad is enabled (no cost in evaluation)."""
@@ -57,6 +62,7 @@ def apply_model_options(model: nn.Module, options: ModelOptionsConfig) -> nn.Mod
     encoder = getattr(model, "bert", model)  # a head's encoder, or the encoder itself
     encoder.unpad = options.unpad
     encoder.jagged_attention = options.jagged_attention
+    encoder.per_sequence_attention = options.per_sequence_attention and not options.compile
     for layer in encoder.encoder.layer:
         if type(layer) not in (BertLayer, CheckpointedBertLayer):
             raise TypeError(f"apply_model_options: an encoder layer is a {type(layer).__name__}; apply the options "

@@ -9,6 +9,10 @@ Three layouts, each tested equal to the first (tests/test_fastpath.py):
   up to a multiple of 8. Attention scatters the fused QKV into that zero grid, masks it, and gathers back.
 * unpadded + jagged: as unpadded, but attention runs on nested (jagged) tensors, so there is no padding anywhere
   (SDPA picks a variable-length kernel: flash on CUDA).
+* unpadded + per sequence (CPU, not compiled): as unpadded, but attention runs one sequence at a time on its own
+  rows, without a mask: no padding anywhere either, at the price of one SDPA call per sequence, which costs
+  little on a CPU (where the padded grid's attention, its dropout and its zero fill were a quarter of a fine-tuning
+  step: BENCHMARKS.md) and much on a GPU (a launch per call).
 
 The layout depends on the batch's lengths, which are data: read on a GPU they would stall the host every step (a
 device-to-host copy waits for all queued work). So the mask may stay on the host while the batch is on the GPU (the
@@ -136,18 +140,47 @@ class Jagged:
         return y.transpose(1, 2).values().reshape(N, H)                       # (N, H)
 
 
+PER_SEQUENCE_BELOW_FILL = 0.75
+"""Per-sequence attention only for batches whose real tokens fill less of the (B, T') grid than this: the loop of
+SDPA calls costs more than the padding it saves in fuller batches. Measured on 2 CPU cores, whole training steps,
+interleaved (BENCHMARKS.md "Time to quality"): 4-5% faster at fill 0.6-0.67, 2% slower at 0.85, even at 0.98."""
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Sequence lengths of a flat (N, ...) batch of real tokens, on the host: sequence b is the next lengths[b] rows."""
+
+    lengths: tuple[int, ...]
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, dropout_p: float) -> torch.Tensor:
+        """Self-attention of every sequence over its own tokens, one SDPA call each: fused (N, 3H) -> (N, H)."""
+        N, H = qkv.size(0), qkv.size(1) // 3
+        out = []
+        for part in qkv.split(self.lengths):                                # (L, 3H) views
+            L = part.size(0)
+            if L == 0:
+                out.append(part.new_empty(0, H))
+                continue
+            q, k, v = part.view(L, 3, num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # 3 x (nh, L, hs)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)       # (nh, L, hs), no mask
+            out.append(y.transpose(0, 1).reshape(L, H))
+        return torch.cat(out)                                               # (N, H)
+
+
 @dataclass(frozen=True)
 class AttentionLayout:
     """How a batch's tokens are laid out, chosen once per forward by `attention_layout`.
 
     Padded (`indices` None): tensors are (B, T, ...), `mask` (B, 1, 1, T) or None (no padding).
     Unpadded: tensors are (N, ...) real tokens; `indices` (N,) their places in the flattened (B, T') grid whose
-    SDPA mask is `mask` (B, 1, 1, T'); with `jagged`, attention runs on nested tensors instead of that grid.
+    SDPA mask is `mask` (B, 1, 1, T'); with `jagged`, attention runs on nested tensors instead of that grid, with
+    `segments` one sequence at a time.
     Only tensors (no Python ints) so that a compiled layer sees symbolic shapes, not new constants per batch."""
 
     mask: torch.Tensor | None = None
     indices: torch.Tensor | None = None
     jagged: Jagged | None = None
+    segments: Segments | None = None
 
     def flatten(self, t: torch.Tensor) -> torch.Tensor:
         """A (B, T) input (ids, token types) in this layout: (B, T) padded, (N,) unpadded."""
@@ -185,11 +218,13 @@ class AttentionLayout:
 
 
 def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False, jagged: bool = False,
-                     device: torch.device | None = None) -> AttentionLayout:
+                     device: torch.device | None = None, per_sequence: bool = False) -> AttentionLayout:
     """The layout for a batch with `attention_mask` (B, T) (None: no padding). `unpad`: run on the real tokens only
     (when there is padding to remove); `jagged`: unpadded attention on nested tensors (when no row is empty: a row
     without tokens has no sequence to nest, so such a batch falls back to the unpadded grid). `device`: where the
-    model computes; a mask on the host is read there (no device sync) and the layout's tensors are sent over."""
+    model computes; a mask on the host is read there (no device sync) and the layout's tensors are sent over.
+    `per_sequence` (not with `jagged`): unpadded attention one sequence at a time (`Segments`), in batches that fill
+    less than PER_SEQUENCE_BELOW_FILL of their grid."""
     if not unpad or attention_mask is None or bool(attention_mask.bool().all()):
         return AttentionLayout(mask=to_device(sdpa_mask(attention_mask), device) if attention_mask is not None
                                else None)
@@ -199,5 +234,8 @@ def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False, j
         lengths = grid.sum(1)                                              # (B,)
         if bool(lengths.all()):
             nested = Jagged(to_device(F.pad(lengths.cumsum(0), (1, 0)), device), int(lengths.max()))
+    segments = None
+    if per_sequence and nested is None and indices.numel() < PER_SEQUENCE_BELOW_FILL * grid.numel():
+        segments = Segments(tuple(grid.sum(1).tolist()))                   # host ints (one sync if on a GPU)
     return AttentionLayout(mask=to_device(sdpa_mask(grid), device), indices=to_device(indices, device),
-                           jagged=nested)
+                           jagged=nested, segments=segments)
