@@ -77,7 +77,7 @@ def tiny_run(tmp_path_factory) -> dict:
     out = root / "run"
     assert bertrain_main(["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(model),
                           "--output", str(out), "--data.max_seq_length", "32", "--train.steps", "6", *TINY,
-                          "--optim.lr", "3e-4",
+                          "--optim.lr", "1e-3",
                           "--checkpoint.save_interval", "3", "--checkpoint.keep_last", "0",
                           "--checkpoint.export_final", "false", "--eval.interval", "3",
                           "--eval.each_epoch", "false", "--data.predict_test", "false",
