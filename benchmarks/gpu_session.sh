@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything issue 6 still needs from a GPU, in parts that each fit one 10-minute device command:
+# Everything issues 6, 22 and 26 need from a GPU, in parts that each fit one 10-minute device command:
 #
 #   bash benchmarks/gpu_session.sh env      # GPU, driver, torch; the matmul peak
 #   bash benchmarks/gpu_session.sh tests    # tests/test_cuda.py (precision, kill+resume, NCCL and FSDP2 on one rank,
@@ -17,6 +17,10 @@
 #   bash benchmarks/gpu_session.sh ttq-ft   # issue 22: SST-2 fine-tuning time to quality vs HF Trainer, 60 s budgets
 #
 # Parts can be chained: `bash benchmarks/gpu_session.sh env tests smoke` runs three in one device command.
+# At most 8 files come back from a device command, so write the parts' outputs elsewhere and tar them into $OUT
+# after each part (a command stopped at its time limit still returns what was tarred), e.g. for the next session:
+#   R=$OUT; for p in tests p1 fsdp1 profile; do OUT=/tmp/r bash benchmarks/gpu_session.sh $p; tar czf $R/r.tgz -C /tmp r; done
+#   (then: p2 jagged squad ttq-ft; session 8's one command ran env tests smoke main: BENCHMARKS.md "GPU")
 #
 # What the GPU image lacks travels in two ignored folders (the device README's recipe; see BENCHMARKS.md "GPU"):
 #   .whl/  wheels for python 3.12 (mwparserfromhell), installed into /tmp/site

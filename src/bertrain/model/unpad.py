@@ -1,7 +1,7 @@
 """Where a batch's tokens are, for attention: the `AttentionLayout` that `BertModel.forward` builds once and passes
 unchanged through every layer, and the row gathering/scattering behind the padding-free (unpadded) path.
 
-Three layouts, each tested equal to the first (tests/test_fastpath.py):
+Four layouts, each tested equal to the first (tests/test_fastpath.py):
 
 * padded: tensors are (B, T, ...); attention masks the padding (`mask`).
 * unpadded: embeddings, projections, FFN and LayerNorms run on the N real tokens only, a flat (N, ...) tensor;
@@ -175,7 +175,8 @@ class AttentionLayout:
     Unpadded: tensors are (N, ...) real tokens; `indices` (N,) their places in the flattened (B, T') grid whose
     SDPA mask is `mask` (B, 1, 1, T'); with `jagged`, attention runs on nested tensors instead of that grid, with
     `segments` one sequence at a time.
-    Only tensors (no Python ints) so that a compiled layer sees symbolic shapes, not new constants per batch."""
+    Only tensors (no Python ints) so that a compiled layer sees symbolic shapes, not new constants per batch; the
+    exception, `segments`' lengths, is never built for compiled layers (`apply_model_options`)."""
 
     mask: torch.Tensor | None = None
     indices: torch.Tensor | None = None
