@@ -178,7 +178,10 @@ def test_jagged_attention_with_checkpointing_and_dropout(batch, monkeypatch):
 
 
 def count_segments(monkeypatch) -> list[int]:
-    """Count the per-sequence attention calls (one per layer), to prove that path ran."""
+    """Count the per-sequence attention calls (one per layer), to prove that path ran; the tiny test batches would
+    not pass the speed rule (`test_per_sequence_attention_only_where_the_grid_wastes_enough`), so it is lifted."""
+    import bertrain.model.unpad as unpad
+    monkeypatch.setattr(unpad, "PER_SEQUENCE_MIN_SAVED", 0)
     calls = [0]
     original = Segments.attention
 
@@ -372,16 +375,21 @@ def test_compiled_layers_equal_eager(batch, jagged, ckpt):
     torch.testing.assert_close(out2.loss, ref2.loss, rtol=1e-4, atol=1e-5)
 
 
-def test_per_sequence_attention_only_where_the_grid_is_mostly_padding():
-    """Per-sequence attention pays for its loop of SDPA calls only in batches with much padding: a batch that
-    fills its (B, T') grid to PER_SEQUENCE_BELOW_FILL or more keeps the grid."""
-    from bertrain.model.unpad import PER_SEQUENCE_BELOW_FILL, attention_layout
-    lengths = torch.tensor([32, 32, 32, 8])                              # fill 104 / 128 = 0.81
-    full = (torch.arange(32)[None] < lengths[:, None]).long()
-    assert attention_layout(full, unpad=True, per_sequence=True).segments is None
-    lengths = torch.tensor([32, 8, 8, 8])                                # fill 56 / 128 = 0.44
-    sparse = (torch.arange(32)[None] < lengths[:, None]).long()
-    layout = attention_layout(sparse, unpad=True, per_sequence=True)
-    assert layout.segments is not None and layout.segments.lengths == (32, 8, 8, 8)
-    assert 56 / 128 < PER_SEQUENCE_BELOW_FILL <= 104 / 128
-    assert attention_layout(sparse, unpad=True).segments is None         # off unless asked
+def test_per_sequence_attention_only_where_the_grid_wastes_enough():
+    """Per-sequence attention pays for its loop of SDPA calls only where the padded grid would compute many extra
+    attention scores per sequence: heads x (T'^2 - mean squared length) >= PER_SEQUENCE_MIN_SAVED."""
+    from bertrain.model.unpad import PER_SEQUENCE_MIN_SAVED, attention_layout
+
+    def mask(lengths: list[int], T: int) -> torch.Tensor:
+        return (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+
+    sparse = mask([128, 40, 40, 40], 128)            # extra scores: 12 x (16384 - 5296) = 133k per sequence
+    layout = attention_layout(sparse, unpad=True, per_sequence=True, num_heads=12)
+    assert layout.segments is not None and layout.segments.lengths == (128, 40, 40, 40)
+    assert attention_layout(sparse, unpad=True, num_heads=12).segments is None            # off unless asked
+    assert attention_layout(sparse, unpad=True, per_sequence=True, num_heads=1).segments is None  # 11k: too few
+    full = mask([128, 128, 120, 128], 128)           # 12 x (16384 - 15888) = 6.0k
+    assert attention_layout(full, unpad=True, per_sequence=True, num_heads=12).segments is None
+    short = mask([64, 20, 20, 40], 64)               # a 2-head model at length 64: 2 x (4096 - 1624) = 4.9k
+    assert attention_layout(short, unpad=True, per_sequence=True, num_heads=2).segments is None
+    assert 2 * (4096 - 1624) < PER_SEQUENCE_MIN_SAVED <= 12 * (16384 - 5296)

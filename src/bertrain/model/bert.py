@@ -388,7 +388,8 @@ class BertModel(BertPreTrainedModel):
             token_type_ids = torch.zeros_like(input_ids)
         layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention,
                                   device=input_ids.device,  # the mask may be on the host: model/unpad.py
-                                  per_sequence=self.per_sequence_attention and input_ids.device.type == "cpu")
+                                  per_sequence=self.per_sequence_attention and input_ids.device.type == "cpu",
+                                  num_heads=self.config.num_attention_heads)
         x = self.embeddings(layout.flatten(input_ids), layout.flatten(token_type_ids),
                             layout.position_ids(input_ids))               # (B, T, H), or (N, H) unpadded
         x = self.encoder(x, layout)                                        # (B, T, H), or (N, H) unpadded

@@ -27,9 +27,9 @@ class ModelOptionsConfig:
     variable-length flash kernel on CUDA with bf16/fp16). Same results; 19% slower on CPU (BENCHMARKS.md)."""
     per_sequence_attention: bool = True
     """Unpadded runs on CPU, not compiled and not jagged: attention one sequence at a time on its own rows, without
-    the padded (B, T') grid, its mask, its dropout draws and its zero fill, in batches that fill less than 0.75 of
-    their grid (same results; a MiniLM-sized training step at fill 0.67 is 4-5% faster, BENCHMARKS.md "Time to
-    quality"). Ignored on a GPU (a kernel launch per sequence) and with compile (the lengths would be new constants
+    the padded (B, T') grid, its mask, its dropout draws and its zero fill, in batches where the grid would waste
+    enough (`unpad.PER_SEQUENCE_MIN_SAVED`; same results; a MiniLM-sized training step at fill 0.67 is 4-5% faster,
+    a 2-head model at length 64 would be slower and keeps the grid: BENCHMARKS.md "Time to quality"). Ignored on a GPU (a kernel launch per sequence) and with compile (the lengths would be new constants
     every batch)."""
     gradient_checkpointing: bool = False
     """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute); only

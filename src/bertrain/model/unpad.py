@@ -140,10 +140,12 @@ class Jagged:
         return y.transpose(1, 2).values().reshape(N, H)                       # (N, H)
 
 
-PER_SEQUENCE_BELOW_FILL = 0.75
-"""Per-sequence attention only for batches whose real tokens fill less of the (B, T') grid than this: the loop of
-SDPA calls costs more than the padding it saves in fuller batches. Measured on 2 CPU cores, whole training steps,
-interleaved (BENCHMARKS.md "Time to quality"): 4-5% faster at fill 0.6-0.67, 2% slower at 0.85, even at 0.98."""
+PER_SEQUENCE_MIN_SAVED = 25_000
+"""Per-sequence attention only where the padded grid would compute at least this many extra attention scores per
+sequence and layer (heads x (T'^2 - mean of the squared lengths)): below it, the loop of one SDPA call per sequence
+costs more than the padding it saves. Set from whole training steps on 2 CPU cores, interleaved (BENCHMARKS.md
+"Time to quality"): 38k and 35k extra scores per sequence ran 5% and 4% faster, 17.5k 2% slower, 4.8k (a 2-head
+model at length 64) 15-19% slower."""
 
 
 @dataclass(frozen=True)
@@ -219,13 +221,14 @@ class AttentionLayout:
 
 
 def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False, jagged: bool = False,
-                     device: torch.device | None = None, per_sequence: bool = False) -> AttentionLayout:
+                     device: torch.device | None = None, per_sequence: bool = False,
+                     num_heads: int = 1) -> AttentionLayout:
     """The layout for a batch with `attention_mask` (B, T) (None: no padding). `unpad`: run on the real tokens only
     (when there is padding to remove); `jagged`: unpadded attention on nested tensors (when no row is empty: a row
     without tokens has no sequence to nest, so such a batch falls back to the unpadded grid). `device`: where the
     model computes; a mask on the host is read there (no device sync) and the layout's tensors are sent over.
-    `per_sequence` (not with `jagged`): unpadded attention one sequence at a time (`Segments`), in batches that fill
-    less than PER_SEQUENCE_BELOW_FILL of their grid."""
+    `per_sequence` (not with `jagged`): unpadded attention one sequence at a time (`Segments`), in batches where the
+    grid would compute PER_SEQUENCE_MIN_SAVED or more extra scores per sequence for a model of `num_heads` heads."""
     if not unpad or attention_mask is None or bool(attention_mask.bool().all()):
         return AttentionLayout(mask=to_device(sdpa_mask(attention_mask), device) if attention_mask is not None
                                else None)
@@ -236,7 +239,10 @@ def attention_layout(attention_mask: torch.Tensor | None, unpad: bool = False, j
         if bool(lengths.all()):
             nested = Jagged(to_device(F.pad(lengths.cumsum(0), (1, 0)), device), int(lengths.max()))
     segments = None
-    if per_sequence and nested is None and indices.numel() < PER_SEQUENCE_BELOW_FILL * grid.numel():
-        segments = Segments(tuple(grid.sum(1).tolist()))                   # host ints (one sync if on a GPU)
+    if per_sequence and nested is None:
+        lengths = grid.sum(1)
+        extra = num_heads * (grid.size(1) ** 2 - lengths.double().pow(2).mean())
+        if extra >= PER_SEQUENCE_MIN_SAVED:
+            segments = Segments(tuple(lengths.tolist()))                   # host ints (one sync if on a GPU)
     return AttentionLayout(mask=to_device(sdpa_mask(grid), device), indices=to_device(indices, device),
                            jagged=nested, segments=segments)
