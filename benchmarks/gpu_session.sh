@@ -22,7 +22,8 @@
 #   R=$OUT; for p in tests p1 fsdp1 profile; do OUT=/tmp/r bash benchmarks/gpu_session.sh $p; tar czf $R/r.tgz -C /tmp r; done
 #   (then: p2 jagged squad ttq-ft; session 8's one command ran env tests smoke main: BENCHMARKS.md "GPU")
 #
-# What the GPU image lacks travels in two ignored folders (the device README's recipe; see BENCHMARKS.md "GPU"):
+# What the GPU image lacks travels in two ignored folders, built here by benchmarks/gpu_prepare.sh (the device
+# README's recipe; see BENCHMARKS.md "GPU"):
 #   .whl/  wheels for python 3.12 (mwparserfromhell), installed into /tmp/site
 #   .gpu/  data/ = a copy of ../shared/data (which does not travel; BERTRAIN_SHARED_DATA points here) and minilm/ =
 #          all-MiniLM-L6-v2 with its weights stored in fp16 (the fp32 file is over the transfer limit); it is
