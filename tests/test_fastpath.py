@@ -114,15 +114,19 @@ def test_unpadded_encoder_general_masks():
     assert torch.equal(model(ids, attention_mask=mask, reads_padding=False).last_hidden_state, ref)
 
 
-def count_nests(monkeypatch) -> list[int]:
-    """Count the q/k/v tensors made nested, to prove the jagged path ran (an ignored flag would also "pass")."""
+def count_calls(monkeypatch, cls: type, name: str) -> list[int]:
+    """Count the calls of `cls.name`, to prove that a path ran (an ignored flag would also "pass"): `Jagged.nest`
+    (3 per layer: q, k, v made nested) or `Segments.attention` (1 per layer). For the per-sequence path the speed
+    rule is lifted: the tiny test batches would not pass it (`test_per_sequence_attention_only_where_...`)."""
+    import bertrain.model.unpad as unpad
+    monkeypatch.setattr(unpad, "PER_SEQUENCE_MIN_SAVED", 0)
     calls = [0]
-    original = Jagged.nest
+    original = getattr(cls, name)
 
-    def nest(self, t):
+    def counted(self, *args):
         calls[0] += 1
-        return original(self, t)
-    monkeypatch.setattr(Jagged, "nest", nest)
+        return original(self, *args)
+    monkeypatch.setattr(cls, name, counted)
     return calls
 
 
@@ -131,7 +135,7 @@ def test_jagged_attention_pretraining_equals_padded(dbatch, dev, monkeypatch):
     torch.manual_seed(0)
     model = BertForPreTraining(tiny()).to(dev).train()
     ref, g_ref = pretrain_run(model, dbatch, unpad=False)
-    calls = count_nests(monkeypatch)
+    calls = count_calls(monkeypatch, Jagged, "nest")
     out, g = pretrain_run(model, dbatch, unpad=True, jagged=True)
     assert calls[0] == 3 * tiny().num_hidden_layers
     torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, **tol(dev))
@@ -141,9 +145,11 @@ def test_jagged_attention_pretraining_equals_padded(dbatch, dev, monkeypatch):
 
 
 @pytest.mark.parametrize("empty_row", [False, True])
-def test_jagged_attention_general_masks(empty_row, monkeypatch):
-    """Left padding and holes (the real tokens of a row need not be contiguous); a row without any token makes
-    the model fall back to padded attention for that batch."""
+@pytest.mark.parametrize("kind", ["jagged", "per_sequence"])
+def test_padding_free_attention_general_masks(kind, empty_row, monkeypatch):
+    """Left padding and holes (the real tokens of a row need not be contiguous) and a one-token row: each row's real
+    tokens attend to each other only. A row without any token: jagged attention falls back to the unpadded grid
+    for that batch (no sequence to nest); per-sequence attention gives it no rows; either way its outputs are 0."""
     torch.manual_seed(0)
     model = BertModel(tiny()).eval()
     B, T = 4, 19
@@ -157,10 +163,16 @@ def test_jagged_attention_general_masks(empty_row, monkeypatch):
         mask[2] = 0
     ids = ids * mask
     ref = model(ids, attention_mask=mask).last_hidden_state
-    apply_model_options(model, ModelOptionsConfig(jagged_attention=True))
-    calls = count_nests(monkeypatch)
+    if kind == "jagged":
+        apply_model_options(model, ModelOptionsConfig(jagged_attention=True))
+        calls = count_calls(monkeypatch, Jagged, "nest")
+        expected = 0 if empty_row else 3 * tiny().num_hidden_layers
+    else:
+        apply_model_options(model, ModelOptionsConfig(per_sequence_attention=True))
+        calls = count_calls(monkeypatch, Segments, "attention")
+        expected = tiny().num_hidden_layers
     out = model(ids, attention_mask=mask, reads_padding=False).last_hidden_state
-    assert calls[0] == (0 if empty_row else 3 * tiny().num_hidden_layers)
+    assert calls[0] == expected
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
     assert (out[~real] == 0).all()
@@ -177,21 +189,6 @@ def test_jagged_attention_with_checkpointing_and_dropout(batch, monkeypatch):
     assert_same(g, g_ref, "grad")
 
 
-def count_segments(monkeypatch) -> list[int]:
-    """Count the per-sequence attention calls (one per layer), to prove that path ran; the tiny test batches would
-    not pass the speed rule (`test_per_sequence_attention_only_where_the_grid_wastes_enough`), so it is lifted."""
-    import bertrain.model.unpad as unpad
-    monkeypatch.setattr(unpad, "PER_SEQUENCE_MIN_SAVED", 0)
-    calls = [0]
-    original = Segments.attention
-
-    def attention(self, *args):
-        calls[0] += 1
-        return original(self, *args)
-    monkeypatch.setattr(Segments, "attention", attention)
-    return calls
-
-
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_per_sequence_attention_pretraining_equals_padded(batch, ckpt, monkeypatch):
     """Attention one sequence at a time (the CPU default): the same logits, loss and gradients as the padded path;
@@ -199,7 +196,7 @@ def test_per_sequence_attention_pretraining_equals_padded(batch, ckpt, monkeypat
     torch.manual_seed(0)
     model = BertForPreTraining(tiny()).train()
     ref, g_ref = pretrain_run(model, batch, unpad=False)
-    calls = count_segments(monkeypatch)
+    calls = count_calls(monkeypatch, Segments, "attention")
     out, g = pretrain_run(model, batch, unpad=True, per_sequence=True, ckpt=ckpt)
     assert calls[0] == tiny().num_hidden_layers * (2 if ckpt else 1)  # checkpointing runs each layer again
     torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, rtol=RTOL, atol=ATOL)
@@ -212,32 +209,12 @@ def test_per_sequence_attention_pretraining_equals_padded(batch, ckpt, monkeypat
     assert_same(g_a, g_b, "grad")
 
 
-def test_per_sequence_attention_general_masks_and_an_empty_row(monkeypatch):
-    """Left padding, holes, a one-token row and a row without tokens: each row's real tokens attend to each other
-    only; the empty row's outputs are 0, as on the unpadded grid."""
-    torch.manual_seed(0)
-    model = BertModel(tiny()).eval()
-    B, T = 5, 19
-    ids = torch.randint(5, 1003, (B, T))
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[0, :6] = 0
-    mask[1, 3:5] = 0
-    mask[1, 15:] = 0
-    mask[3, 1:] = 0
-    mask[2] = 0
-    ids = ids * mask
-    ref = model(ids, attention_mask=mask).last_hidden_state
-    apply_model_options(model, ModelOptionsConfig(per_sequence_attention=True))
-    calls = count_segments(monkeypatch)
-    out = model(ids, attention_mask=mask, reads_padding=False).last_hidden_state
-    assert calls[0] == tiny().num_hidden_layers
-    real = mask.bool()
-    torch.testing.assert_close(out[real], ref[real], rtol=RTOL, atol=ATOL)
-    assert (out[~real] == 0).all()
-    # off with compile (the lengths would be new constants every batch): the grid instead (compile is lazy: this
-    # only wraps the layers)
+def test_per_sequence_attention_is_off_with_compile():
+    """Compiled layers keep the grid: the per-sequence lengths would be new constants every batch (compile is
+    lazy: applying it only wraps the layers)."""
     compiled = apply_model_options(BertModel(tiny()), ModelOptionsConfig(per_sequence_attention=True, compile=True))
-    assert compiled.per_sequence_attention is False and model.per_sequence_attention is True
+    eager = apply_model_options(BertModel(tiny()), ModelOptionsConfig(per_sequence_attention=True))
+    assert compiled.per_sequence_attention is False and eager.per_sequence_attention is True
 
 
 def test_unpad_indices_trims_to_a_multiple_of_8():

@@ -32,10 +32,18 @@ def base_config(out: Path, **train: object) -> dict:
 def _train_worker(rank: int, world_size: int, cfg_dict: dict, resume: str | None) -> None:
     from bertrain.config import from_dict
     from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    import bertrain.train.distributed as distributed
     cfg = from_dict(PretrainConfig, cfg_dict)
+    backends, init = [], distributed.init_distributed
+
+    def recorded(*args):  # the process group's backend while the run lasts (None: no group)
+        info = init(*args)
+        backends.append(info.backend)
+        return info
+    distributed.init_distributed = recorded
     result = run_pretraining(cfg, resume=resume)
     state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
-    torch.save({"params": state, "step": result.state.step, "epoch": result.state.epoch},
+    torch.save({"params": state, "step": result.state.step, "epoch": result.state.epoch, "backend": backends[-1]},
                Path(cfg.output_dir) / f"rank{rank}.pt")
 
 
@@ -189,7 +197,9 @@ def test_one_rank_group_of_a_named_backend_runs_ddp_and_fsdp_and_equals_the_plai
         for key, values in extra.items():
             cfg[key] = {**cfg.get(key, {}), **values}
         spawn(_train_worker, 1, cfg, None)
-        finals[name] = torch.load(tmp_path / name / "rank0.pt")["params"]
+        saved = torch.load(tmp_path / name / "rank0.pt")
+        finals[name] = saved["params"]
+        assert saved["backend"] == (None if name == "plain" else "gloo")  # a named backend: a one-rank group
         assert (tmp_path / name / "step-4" / "dcp").is_dir() == (name == "fsdp")
         assert losses(tmp_path / name) == losses(tmp_path / "plain")
     for name in ("ddp", "fsdp"):

@@ -12,20 +12,25 @@ from bertrain.train.precision import LossScaleCollapse, Precision
 from bertrain.train.schedules import build_scheduler
 
 CPU = torch.device("cpu")
+# the overflow test also runs on CUDA where there is a GPU (issue 26): fp16 autocast and loss scaling are real there
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def setup(mode: str = "fp16", **precision: float):
+def setup(mode: str = "fp16", device: torch.device = CPU, **precision: float):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
     opt = build_optimizer(model, OptimConfig(name="lamb", lr=1e-2))
     sched = build_scheduler(opt, ScheduleConfig(name="linear", warmup=0), 10)
-    return model, opt, sched, Precision(PrecisionConfig(mode=mode, **precision), CPU)
+    return model, opt, sched, Precision(PrecisionConfig(mode=mode, **precision), device)
 
 
 def train_step(model, opt, sched, prec, inject_inf: bool) -> bool:
-    x = torch.randn(16, 4)
+    x = torch.randn(16, 4, device=prec.device)
     with prec.autocast():
-        loss = model(x).float().pow(2).mean()
+        y = model(x)
+        if prec.device.type == "cuda":
+            assert y.dtype == torch.float16  # autocast really computes in fp16 there
+        loss = y.float().pow(2).mean()
     prec.backward(loss)
     if inject_inf:
         model[0].weight.grad[0, 0] = float("inf")
@@ -37,8 +42,9 @@ def train_step(model, opt, sched, prec, inject_inf: bool) -> bool:
     return stepped
 
 
-def test_overflow_skips_step_without_touching_weights_or_schedule() -> None:
-    model, opt, sched, prec = setup(initial_loss_scale=1024.0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_overflow_skips_step_without_touching_weights_or_schedule(device: str) -> None:
+    model, opt, sched, prec = setup(initial_loss_scale=1024.0, device=torch.device(device))
     assert train_step(model, opt, sched, prec, inject_inf=False)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v.clone() for k, v in opt.state[model[0].weight].items()}

@@ -492,7 +492,6 @@ class Meter:
         self.losses = torch.zeros(groups, dtype=torch.float64, device=self.device)
         self.sums: torch.Tensor | None = None  # allocated at the first micro-batch, once the task's keys are known
         self.tokens, self.seqs = 0, 0  # real tokens and sequences of this rank since the last flush
-        self.device_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.steps = 0
         self.stepped = 0
@@ -505,11 +504,8 @@ class Meter:
         if self.sums is None:
             self.sums = torch.zeros(len(self.keys), dtype=torch.float64, device=self.device)
         self.sums += torch.stack([sums[k].detach().double().reshape(()) for k in self.keys])
-        mask = batch["attention_mask"]
-        if mask.device.type == "cpu":  # on the host (to_device keeps it there): counted without touching the GPU
-            self.tokens += int(mask.sum())
-        else:
-            self.device_tokens += mask.sum().double()
+        # the mask is on the host (to_device keeps it there): counted without touching the GPU
+        self.tokens += int(batch["attention_mask"].sum())
         self.seqs += batch["input_ids"].shape[0]
 
     def add_step(self, shares: torch.Tensor, grad_norm: torch.Tensor, stepped: bool) -> None:
@@ -523,7 +519,6 @@ class Meter:
               dist: DistInfo) -> dict[str, Any]:
         assert self.sums is not None and self.keys is not None
         counts = torch.tensor([self.tokens, self.seqs], dtype=torch.float64, device=self.device)
-        counts[0] += self.device_tokens
         both = all_reduce_sum(torch.cat([self.losses, self.sums, counts])).tolist()
         groups = self.task.loss_groups
         losses, sums = both[:len(groups)], dict(zip(self.keys, both[len(groups):-2]))
