@@ -36,13 +36,14 @@ def training_variants(args: argparse.Namespace) -> dict:
     qkv_mods = [m for m in model.modules() if isinstance(m, SplitQKV)]
 
     def with_flags(unpad: bool = True, masked: bool = True, fused_qkv: bool = True, ckpt: bool = False,
-                   jagged: bool = False):
+                   jagged: bool = False, prune: bool = True):
         fwd_masked = pretrain_forward(model, b, True, True)
         fwd_full = pretrain_forward(model, b, True, False)
         inner = {m: make_train_step(model, f, opt, device, args.precision) for m, f in ((True, fwd_masked),
                                                                                      (False, fwd_full))}
 
-        options = ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt)
+        options = ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt,
+                                     prune_last_layer=prune)
 
         def step() -> None:
             apply_model_options(model, options)
@@ -53,11 +54,12 @@ def training_variants(args: argparse.Namespace) -> dict:
 
     qkv_parents = [m for m in model.modules() if isinstance(getattr(m, "qkv", None), SplitQKV)]
     sides = [
-        Side("all on (unpad + masked MLM head + fused QKV)", with_flags()),
+        Side("all on (unpad + masked MLM head + fused QKV + pruned last layer)", with_flags()),
+        Side("last layer on every token", with_flags(prune=False)),
         Side("no unpadding", with_flags(unpad=False)),
         Side("MLM head on every token", with_flags(masked=False)),
         Side("separate Q/K/V GEMMs", with_flags(fused_qkv=False)),
-        Side("all off (padded, full head, separate QKV)", with_flags(False, False, False)),
+        Side("all off (padded, full head, separate QKV, whole last layer)", with_flags(False, False, False, prune=False)),
         Side("all on + activation checkpointing", with_flags(ckpt=True)),
         Side("all on + jagged (nested-tensor) attention", with_flags(jagged=True)),
     ]

@@ -10,12 +10,18 @@ runs `--warmup` untimed steps, then `--steps` steps under torch.profiler; prints
 the profiled steps, timed by perf_counter), the real and padded tokens, and the top operators by self CPU time.
 This is the same forward/backward/optimizer step the two trainers run, without their loops (loader, logging,
 checkpoints): what the model and optimizer cost.
+
+`--interleaved N` times instead of profiling: every side's steps alternate (A B, then B A, ...) for N rounds over
+the same batches, each side with its own model and optimizer from the same weights; prints each side's median step
+and its ratio to the first side. This is the measurement for small differences (the ablations `bertrain-grid` and
+`bertrain-full`); the profile's sides run one after the other and carry the machine's drift.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,19 +47,26 @@ def batches(task_name: str, init: str, data_dir: Path, batch: int, n: int, max_l
     return out
 
 
+SIDES = ("bertrain", "bertrain-grid", "bertrain-full", "hf")
+
+
 def build(side: str, init: str, jagged: bool = False) -> torch.nn.Module:
-    """`bertrain` (its defaults: unpadded, attention one sequence at a time on CPU), `bertrain-grid` (attention on
-    the padded grid, the default before issue 22's last change) or `hf`."""
+    """`bertrain` (its defaults: unpadded, attention one sequence at a time on CPU, the last layer on [CLS] only),
+    `bertrain-grid` (attention on the padded grid), `bertrain-full` (the last layer on every token) or `hf`."""
+    if side not in SIDES:
+        raise SystemExit(f"--sides: unknown side {side!r}; choose from {', '.join(SIDES)}")
     if side.startswith("bertrain"):
         from bertrain.model.options import ModelOptionsConfig, apply_model_options
         from bertrain.tasks.finetune import load_model
         return apply_model_options(load_model("cls", init, 2), ModelOptionsConfig(
-            jagged_attention=jagged, per_sequence_attention=side != "bertrain-grid"))
+            jagged_attention=jagged, per_sequence_attention=side != "bertrain-grid",
+            prune_last_layer=side != "bertrain-full"))
     from transformers import BertForSequenceClassification
     return BertForSequenceClassification.from_pretrained(init, num_labels=2)
 
 
-def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int, jagged: bool = False) -> dict:
+def training_step(side: str, init: str, jagged: bool = False) -> Callable[[dict], None]:
+    """One side's fine-tuning step (forward, backward, clipping, fused AdamW) on its own model from `init`."""
     torch.manual_seed(0)
     model = build(side, init, jagged).train()
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
@@ -68,7 +81,26 @@ def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
 
+
+def interleaved(sides: list[str], init: str, data: list[dict], rounds: int, warmup: int,
+                jagged: bool = False) -> dict[str, dict]:
+    """Every side's step on batch i, alternating the sides' order each round (bertrain.bench.timing)."""
+    from bertrain.bench.timing import Side, time_interleaved
+
+    def cycling(step: Callable[[dict], None]) -> Callable[[], None]:
+        i = iter(range(10 ** 9))
+        return lambda: step(data[next(i) % len(data)])
+    timed = [Side(s, cycling(training_step(s, init, jagged))) for s in sides]
+    time_interleaved(timed, rounds, warmup, torch.device("cpu"), measure_memory=False)
+    first = statistics.median(timed[0].times)
+    return {s.name: {"step_ms": statistics.median(s.times) * 1e3, "vs_first": statistics.median(s.times) / first,
+                     "all_ms": [round(t * 1e3) for t in s.times]} for s in timed}
+
+
+def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int, jagged: bool = False) -> dict:
+    step = training_step(side, init, jagged)
     for b in data[:warmup]:
         step(b)
     times = []
@@ -97,12 +129,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=15, help="operators shown per side")
     ap.add_argument("--jagged-attention", action="store_true", help="bertrain: attention on nested tensors")
-    ap.add_argument("--sides", default="bertrain,hf", help="comma-separated: bertrain, bertrain-grid, hf")
+    ap.add_argument("--sides", default="bertrain,hf", help=f"comma-separated: {', '.join(SIDES)}")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                    help="time the sides interleaved for ROUNDS rounds instead of profiling them")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = {"mrpc": "MRPC", "sst2": "SST-2"}.get(args.task, args.task.upper())
     data_dir = Path(args.data_dir) if args.data_dir else SHARED / folder
     data = batches(args.task, args.init, data_dir, args.batch, args.warmup + args.steps, args.max_seq_length)
+    if args.interleaved:
+        result = interleaved(args.sides.split(","), args.init, data, args.interleaved, args.warmup,
+                             args.jagged_attention)
+        for side, r in result.items():
+            print(f"{side}: median step {r['step_ms']:.0f} ms, {r['vs_first']:.3f} of the first; all {r['all_ms']}")
+        return
     results = {}
     for side in args.sides.split(","):
         results[side] = r = profile_side(side, args.init, data, args.warmup, args.rows, args.jagged_attention)

@@ -33,10 +33,12 @@ def tiny(dropout: float = 0.0) -> BertConfig:
 
 
 def pretrain_run(model: BertForPreTraining, b: dict[str, torch.Tensor], *, unpad: bool, masked: bool = True,
-                 ckpt: bool = False, seed: int = 0, jagged: bool = False, per_sequence: bool = False):
+                 ckpt: bool = False, seed: int = 0, jagged: bool = False, per_sequence: bool = False,
+                 prune: bool = False):
+    """One forward and backward; the options not named are off (pruning too: each path is tested on every layer)."""
     model.zero_grad(set_to_none=True)
     apply_model_options(model, ModelOptionsConfig(unpad=unpad, jagged_attention=jagged, gradient_checkpointing=ckpt,
-                                                  per_sequence_attention=per_sequence))
+                                                  per_sequence_attention=per_sequence, prune_last_layer=prune))
     x = dict(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
              next_sentence_label=b["next_sentence_labels"])
     if masked:
@@ -232,6 +234,94 @@ def test_unpad_indices_trims_to_a_multiple_of_8():
     torch.testing.assert_close(x.grad, expected)
 
 
+def last_layer_rows(model: torch.nn.Module) -> list[int]:
+    """The number of rows the last encoder layer's FFN computes, per forward (a hook: proves which path ran)."""
+    encoder = getattr(model, "bert", model)
+    rows: list[int] = []
+    encoder.encoder.layer[-1].intermediate.dense.register_forward_hook(
+        lambda _m, args, _out: rows.append(args[0].reshape(-1, args[0].size(-1)).size(0)))
+    return rows
+
+
+@pytest.mark.parametrize("unpad", [False, True])
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_read_positions_prune_the_last_layer(unpad, empty_row):
+    """`read_positions`: the last layer computes [CLS] and those positions only, and gives what the full model
+    gives there (padding positions included: 0 unpadded, the padded path's own values padded) with the same pooler
+    output. Left padding, holes and a one-token row; a batch without any real token falls back to the full path."""
+    torch.manual_seed(0)
+    model = BertModel(tiny()).eval()
+    B, T = 4, 19
+    ids = torch.randint(5, 1003, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :6] = 0          # left padding: [CLS] position 0 is padding
+    mask[1, 3:5] = 0         # holes
+    mask[1, 15:] = 0
+    mask[3, 1:] = 0          # a single token
+    if empty_row:
+        mask[:] = 0
+    ids = ids * mask
+    positions = torch.tensor([[0, 7, 2, 18], [0, 3, 14, 16], [5, 0, 0, 1], [0, 0, 9, 1]])  # padding ones too
+    apply_model_options(model, ModelOptionsConfig(unpad=unpad, prune_last_layer=False))
+    full = model(ids, attention_mask=mask, reads_padding=False)
+    expected = full.last_hidden_state.gather(1, positions[..., None].expand(-1, -1, tiny().hidden_size))
+    apply_model_options(model, ModelOptionsConfig(unpad=unpad, prune_last_layer=True))
+    rows = last_layer_rows(model)
+    out = model(ids, attention_mask=mask, read_positions=positions)
+    assert rows == [int(mask.sum()) if unpad and empty_row else B * (1 + positions.size(1))]
+    assert out.last_hidden_state.shape == (B, positions.size(1), tiny().hidden_size)
+    torch.testing.assert_close(out.last_hidden_state, expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.pooler_output, full.pooler_output, rtol=RTOL, atol=ATOL)
+    none = model(ids, attention_mask=mask, read_positions=positions[:, :0])  # P = 0: the pooler alone
+    assert none.last_hidden_state.shape == (B, 0, tiny().hidden_size)
+    torch.testing.assert_close(none.pooler_output, full.pooler_output, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"read_positions must lie in \[0, 19\)"):
+        model(ids, attention_mask=mask, read_positions=positions + 5)
+
+
+@pytest.mark.parametrize("layout", ["padded", "unpadded", "jagged", "per_sequence"])
+def test_pruned_last_layer_equals_full_in_training(dbatch, dev, layout, monkeypatch):
+    """Pretraining with masked positions and classification, on every attention layout: pruning the last layer
+    gives the same logits, loss and gradients as computing it whole; with checkpointing and dropout, the same as
+    without checkpointing."""
+    import bertrain.model.unpad as unpad_module
+    monkeypatch.setattr(unpad_module, "PER_SEQUENCE_MIN_SAVED", 0)  # the tiny batches would not pass the rule
+    paths = dict(unpad=layout != "padded", jagged=layout == "jagged", per_sequence=layout == "per_sequence")
+    torch.manual_seed(0)
+    model = BertForPreTraining(tiny()).to(dev).train()
+    ref, g_ref = pretrain_run(model, dbatch, **paths)
+    rows = last_layer_rows(model)
+    out, g = pretrain_run(model, dbatch, **paths, prune=True)
+    B, P = dbatch["masked_positions"].shape
+    assert rows == [B * (1 + P)]
+    torch.testing.assert_close(out.prediction_logits, ref.prediction_logits, **tol(dev))
+    torch.testing.assert_close(out.seq_relationship_logits, ref.seq_relationship_logits, **tol(dev))
+    torch.testing.assert_close(out.loss, ref.loss, **tol(dev))
+    assert_same(g, g_ref, "grad", **tol(dev))
+
+    dropout = BertForPreTraining(tiny(dropout=0.1)).to(dev).train()
+    a, g_a = pretrain_run(dropout, dbatch, **paths, prune=True, seed=7)
+    b, g_b = pretrain_run(dropout, dbatch, **paths, prune=True, ckpt=True, seed=7)
+    torch.testing.assert_close(a.loss, b.loss, **tol(dev))
+    assert_same(g_a, g_b, "grad", **tol(dev))
+
+    classifier = BertForSequenceClassification(tiny(), num_labels=3).to(dev).train()
+    rows = last_layer_rows(classifier)
+    labels = torch.arange(B, device=dev) % 3
+    results = []
+    for prune in (False, True):
+        classifier.zero_grad(set_to_none=True)
+        apply_model_options(classifier, ModelOptionsConfig(
+            unpad=paths["unpad"], jagged_attention=paths["jagged"], per_sequence_attention=paths["per_sequence"],
+            prune_last_layer=prune))
+        c = classifier(dbatch["input_ids"], dbatch["token_type_ids"], dbatch["attention_mask"], labels=labels)
+        c.loss.backward()
+        results.append((c.logits, grads(classifier)))
+    assert rows[1] == B  # [CLS] alone
+    torch.testing.assert_close(results[1][0], results[0][0], **tol(dev))
+    assert_same(results[1][1], results[0][1], "grad", **tol(dev))
+
+
 def test_unpadded_classification_equals_padded(dev):
     torch.manual_seed(0)
     model = BertForSequenceClassification(tiny(), num_labels=3).to(dev)
@@ -334,12 +424,13 @@ COMPILE = os.environ.get("BERTRAIN_TEST_COMPILE") == "1"
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_compiled_layers_equal_eager(batch, jagged, ckpt):
     """Per-layer compile, alone and over per-layer checkpointing (torchtitan's order: compile traces through the
-    checkpointed layer), equals eager."""
+    checkpointed layer), equals eager; with the last layer pruned (the default), so both the full layers and the
+    pruned one are compiled."""
     torch.manual_seed(0)
     model = BertForPreTraining(tiny())
     ref, g_ref = pretrain_run(model, batch, unpad=True, jagged=jagged)
     apply_model_options(model, ModelOptionsConfig(jagged_attention=jagged, gradient_checkpointing=ckpt, compile=True))
-    out, g = pretrain_run(model, batch, unpad=True, jagged=jagged, ckpt=ckpt)
+    out, g = pretrain_run(model, batch, unpad=True, jagged=jagged, ckpt=ckpt, prune=True)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5)
@@ -347,7 +438,7 @@ def test_compiled_layers_equal_eager(batch, jagged, ckpt):
     b2 = pretraining_batch(tiny(), 6, 40, seed=11)
     model2 = BertForPreTraining(tiny())
     model2.load_state_dict({k.replace("._orig_mod", ""): v for k, v in model.state_dict().items()})
-    out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged, ckpt=ckpt)
+    out2, _ = pretrain_run(model, b2, unpad=True, jagged=jagged, ckpt=ckpt, prune=True)
     ref2, _ = pretrain_run(model2, b2, unpad=True, jagged=jagged)
     torch.testing.assert_close(out2.loss, ref2.loss, rtol=1e-4, atol=1e-5)
 

@@ -69,7 +69,7 @@ def save_sensitive_tiny_model(d: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> dict:
-    """bertrain fine-tunes a tiny random BERT on the MRPC-like data for 6 steps with its dev evaluation on (every 3
+    """bertrain fine-tunes a tiny random BERT on the MRPC-like data for 6 steps with its dev evaluation on (every 2
     steps) and a checkpoint at each evaluation: {"out", "evals": {step: metrics}, "data", "model"}."""
     root = tmp_path_factory.mktemp("ttq")
     model = save_sensitive_tiny_model(root / "model")
@@ -78,13 +78,13 @@ def tiny_run(tmp_path_factory) -> dict:
     assert bertrain_main(["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(model),
                           "--output", str(out), "--data.max_seq_length", "32", "--train.steps", "6", *TINY,
                           "--optim.lr", "1e-3",
-                          "--checkpoint.save_interval", "3", "--checkpoint.keep_last", "0",
-                          "--checkpoint.export_final", "false", "--eval.interval", "3",
+                          "--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0",
+                          "--checkpoint.export_final", "false", "--eval.interval", "2",
                           "--eval.each_epoch", "false", "--data.predict_test", "false",
                           "--metrics.report_to", "[]"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["metrics"] for r in records if r.get("event") == "eval"}
-    assert sorted(evals) == [3, 6]
+    assert sorted(evals) == [2, 4, 6]
     return {"out": out, "evals": evals, "data": data, "model": model}
 
 
@@ -101,8 +101,9 @@ def scorer(tiny_run) -> ttq.DevScorer:
 def test_scorer_gives_bertrains_own_dev_evaluation(tiny_run, scorer):
     """(a) each bertrain checkpoint scores exactly what the trainer's dev evaluation recorded at that step."""
     assert scorer.primary == "f1" and scorer.examples == 48
-    # the numbers say something: not the majority class's, and not the same at both steps
-    assert tiny_run["evals"][3]["f1"] != tiny_run["evals"][6]["f1"]
+    # the numbers say something: not the majority class's, and not the same at every step (three evaluations: with
+    # 48 dev examples two of them can tie, as they did after a change of float rounding)
+    assert len({m["f1"] for m in tiny_run["evals"].values()}) > 1
     assert all(m["f1"] != pytest.approx(scorer.chance["f1"]) for m in tiny_run["evals"].values())
     for step, recorded in tiny_run["evals"].items():
         scored = scorer.score(tiny_run["out"] / f"step-{step}")

@@ -48,6 +48,7 @@ class BenchConfig:
     checkpointing: bool = False
     jagged_attention: bool = False      # unpadded runs: attention on nested (jagged) tensors
     per_sequence_attention: bool = True  # unpadded runs on CPU: attention one sequence at a time (else the grid)
+    prune_last_layer: bool = True       # pretraining with the masked head: the last layer on [CLS] + masked rows
     keep_freed_memory: bool = False     # CPU: the trainer's malloc setting (utils/memory.py), for both sides
 
     def __post_init__(self) -> None:
@@ -82,6 +83,7 @@ class BenchConfig:
         """Our model's speed options, as the trainer would apply them."""
         return ModelOptionsConfig(unpad=self.unpad, jagged_attention=self.jagged_attention,
                                   per_sequence_attention=self.per_sequence_attention,
+                                  prune_last_layer=self.prune_last_layer,
                                   gradient_checkpointing=self.checkpointing, compile=self.compile)
 
 
@@ -97,6 +99,8 @@ def configure_ours(model: nn.Module, mode: str, opts: BenchConfig) -> dict[str, 
         "jagged_attention": opts.jagged_attention,
         "per_sequence_attention": opts.per_sequence_attention and not opts.compile and not opts.on_cuda,
         "fused_qkv": opts.fused_qkv,
+        # only pretraining with masked positions reads a few positions (bench's finetune and inference are QA)
+        "prune_last_layer": opts.prune_last_layer and opts.masked_head and mode == "pretrain",
     }
     if opts.compile:
         active["compile"] = "per-layer torch.compile, dynamic shapes (bertrain.model.options.apply_model_options)"

@@ -45,6 +45,16 @@ class SplitQKV(nn.Module):
         super().__init__()
         self.fused = fused
 
+    # The pruned last layer (`BertSelfAttention.attend_from`) reads the weight's row blocks itself: queries on a few
+    # rows, keys and values on all, already separate GEMMs there.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.fused.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ws, bs = self.fused.weight.chunk(3, 0), self.fused.bias.chunk(3, 0)
         return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)

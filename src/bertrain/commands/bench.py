@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "varlen on CUDA; slower on CPU)")
     parser.add_argument("--grid-attention", dest="per_sequence_attention", action="store_false",
                         help="ours (unpadded, CPU): attention on the padded grid instead of one sequence at a time")
+    parser.add_argument("--full-last-layer", dest="prune_last_layer", action="store_false",
+                        help="ours (pretraining, masked head): the last layer on every token instead of [CLS] and "
+                             "the masked positions only")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="CPU: keep freed memory in the process, as `bertrain pretrain`/`finetune` do "
                              "(utils/memory.py); a process setting, so it applies to both sides of --compare")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                         min_len_frac=args.min_len_frac, optimizer=args.optimizer, unpad=args.unpad,
                         masked_head=args.masked_head, fused_qkv=args.fused_qkv, foreach=args.foreach,
                         checkpointing=args.checkpointing, jagged_attention=args.jagged_attention,
-                        per_sequence_attention=args.per_sequence_attention, keep_freed_memory=args.keep_freed_memory)
+                        per_sequence_attention=args.per_sequence_attention, prune_last_layer=args.prune_last_layer,
+                        keep_freed_memory=args.keep_freed_memory)
     result = run_bench(opts)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

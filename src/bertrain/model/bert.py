@@ -21,6 +21,10 @@ tests/test_fastpath.py, measured in BENCHMARKS.md) are switched by `bertrain.mod
   takes it.
 * `BertModel.jagged_attention`: unpadded attention on nested (jagged) tensors: no padding anywhere.
 * `BertModel.per_sequence_attention`: unpadded attention on CPU one sequence at a time: no padding anywhere.
+* `BertModel.prune_last_layer`: in a call that reads the last layer at a few positions only
+  (`BertModel.forward(..., read_positions=...)`: [CLS] for classification, [CLS] and the masked positions for
+  pretraining), the last layer computes those rows only: their queries, attention output, FFN and LayerNorms (keys
+  and values still at every token, which every query attends to).
 * activation checkpointing and compile are applied from outside, per encoder layer (`apply_model_options`, as
   torchtitan's parallelize functions do): this file has no flag for them.
 Losses are the functions of `bertrain.model.losses` that the trainer uses: a head's `.loss` is their sum divided by
@@ -146,7 +150,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class BertModelOutput:
-    last_hidden_state: torch.Tensor               # (B, T, H)
+    last_hidden_state: torch.Tensor               # (B, T, H), or (B, P, H) at `read_positions`
     pooler_output: torch.Tensor | None = None     # (B, H): tanh(dense(h[CLS])); None without a pooler
 
 
@@ -215,7 +219,11 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)  # rows: [query; key; value]
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, H), or (N, H) unpadded. `queries` (B, P, H): hidden states of P tokens per sequence, taken from x:
+        attention for those tokens only, over every token of their sequence -> (B, P, H)."""
+        if queries is not None:
+            return self.attend_from(x, layout, queries)
         qkv = self.qkv(x)                                                  # (B, T, 3H), or (N, 3H) unpadded
         dropout_p = self.dropout_p if self.training else 0.0
         if layout.jagged is not None:  # unpadded, and no padding for attention either: nested (jagged) tensors
@@ -228,6 +236,20 @@ class BertSelfAttention(nn.Module):
         # mask: (B, 1, 1, T) bool, True = attend; scale defaults to 1/sqrt(hs) as in BERT
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p)  # (B, nh, T, hs)
         return layout.from_grid(y.transpose(1, 2).reshape(B, T, H))       # (B, T, H), or (N, H) unpadded
+
+    def attend_from(self, x: torch.Tensor, layout: AttentionLayout, queries: torch.Tensor) -> torch.Tensor:
+        """Queries at `queries` (B, P, H) only; keys and values at every token of x, in the padded grid (with P small,
+        its (B, nh, P, T') scores cost little, so every layout takes this one path)."""
+        H = x.size(-1)
+        w, b = self.qkv.weight, self.qkv.bias                              # rows: [query; key; value]
+        B, P = queries.size(0), queries.size(1)
+        q = F.linear(queries, w[:H], b[:H]).view(B, P, self.num_heads, -1).transpose(1, 2)  # (B, nh, P, hs)
+        kv = layout.to_grid(F.linear(x, w[H:], b[H:]))                     # (B, T', 2H)
+        T = kv.size(1)
+        k, v = kv.view(B, T, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, nh, T', hs)
+        dropout_p = self.dropout_p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout_p)  # (B, nh, P, hs)
+        return y.transpose(1, 2).reshape(B, P, H)                          # (B, P, H)
 
 
 class BertAddNorm(nn.Module):
@@ -249,8 +271,12 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertAddNorm(config.hidden_size, config)
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-        return self.output(self.self(x, layout), x)
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (B, P): the flat rows of x (B * T or N) whose outputs are wanted; then -> (B, P, H)."""
+        if rows is None:
+            return self.output(self.self(x, layout), x)
+        picked = x.reshape(-1, x.size(-1))[rows]                           # (B, P, H)
+        return self.output(self.self(x, layout, picked), picked)
 
 
 class BertIntermediate(nn.Module):
@@ -272,10 +298,11 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertAddNorm(config.intermediate_size, config)
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-        """x: (B, T, H), or (N, H) real tokens when `layout` is unpadded."""
-        x = self.attention(x, layout)                                      # (B, T, H) or (N, H)
-        return self.output(self.intermediate(x), x)                        # (B, T, H) or (N, H)
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, H), or (N, H) real tokens when `layout` is unpadded. rows (B, P): compute the outputs of these
+        flat rows of x only (`AttentionLayout.rows_at`) -> (B, P, H)."""
+        x = self.attention(x, layout, rows)                                # (B, T, H), (N, H) or (B, P, H)
+        return self.output(self.intermediate(x), x)                        # (B, T, H), (N, H) or (B, P, H)
 
 
 class BertEncoder(nn.Module):
@@ -283,8 +310,13 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-        for layer in self.layer:
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (B, P): the last layer computes only these flat rows of x (their outputs are all the caller reads;
+        the other layers compute every row, which the next layer's keys and values need) -> (B, P, H)."""
+        last = len(self.layer) - 1
+        for i, layer in enumerate(self.layer):
+            if i == last and rows is not None:
+                return layer(x, layout, rows)                              # (B, P, H)
             x = layer(x, layout)                                           # (B, T, H), or (N, H) unpadded
         return x
 
@@ -372,29 +404,54 @@ class BertModel(BertPreTrainedModel):
         self.unpad = True                    # calls with reads_padding=False run on the real tokens only
         self.jagged_attention = False        # unpadded runs: attention on nested (jagged) tensors
         self.per_sequence_attention = False  # unpadded runs on CPU: attention one sequence at a time
+        self.prune_last_layer = True         # calls with read_positions: the last layer computes those rows only
         self.init_weights()
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, reads_padding: bool = True) -> BertModelOutput:
+                attention_mask: torch.Tensor | None = None, reads_padding: bool = True,
+                read_positions: torch.Tensor | None = None) -> BertModelOutput:
         """reads_padding=False: the caller reads no output at a padding position, so with `self.unpad` the encoder
         computes on the real tokens only (see the module docstring): the outputs at real tokens are those of the
         padded path, `last_hidden_state` is 0 at padding positions (the padded path gives values there that depend
-        on the padding and that nothing should use). The default computes every position, as HF's BertModel."""
+        on the padding and that nothing should use). The default computes every position, as HF's BertModel.
+
+        read_positions (B, P), P >= 0: the caller reads the last layer's outputs at these positions only (and the
+        pooler's); `last_hidden_state` is then (B, P, H), the (B, T, H) output gathered there, and no padding
+        position's output is read (as reads_padding=False: 0 there when unpadded). With `self.prune_last_layer` the
+        last layer computes just those rows (and [CLS] for the pooler)."""
         B, T = input_ids.shape
         if T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
+        reads = read_positions
+        if reads is not None:
+            reads_padding = False
+            if reads.device.type == "cpu" and reads.numel() and not bool(((reads >= 0) & (reads < T)).all()):
+                raise ValueError(f"read_positions must lie in [0, {T}) (the batch's length); got "
+                                 f"{int(reads.min())}..{int(reads.max())}")
+            if self.pooler is not None:  # [CLS] first, for the pooler
+                reads = torch.cat([reads.new_zeros(B, 1), reads], dim=1)          # (B, 1 + P)
         layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention,
                                   device=input_ids.device,  # the mask may be on the host: model/unpad.py
                                   per_sequence=self.per_sequence_attention and input_ids.device.type == "cpu",
                                   num_heads=self.config.num_attention_heads)
         x = self.embeddings(layout.flatten(input_ids), layout.flatten(token_type_ids),
                             layout.position_ids(input_ids))               # (B, T, H), or (N, H) unpadded
-        x = self.encoder(x, layout)                                        # (B, T, H), or (N, H) unpadded
-        h = layout.to_padded(x, T)                                         # (B, T, H)
-        return BertModelOutput(last_hidden_state=h, pooler_output=self.pooler(h) if self.pooler else None)
+        if reads is not None and self.prune_last_layer and (layout.indices is None or layout.indices.numel()):
+            rows, real = layout.rows_at(reads, T)                          # (B, P'), (B, P') bool or None
+            h = self.encoder(x, layout, rows)                              # (B, P', H)
+            if real is not None:  # unpadded: padding positions have no row of their own; 0 there, as to_padded
+                h = h * real.unsqueeze(-1).to(h.dtype)
+        else:
+            h = layout.to_padded(self.encoder(x, layout), T)              # (B, T, H), or (N, H) unpadded
+            if reads is not None:
+                h = h.gather(1, reads.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # (B, P', H)
+        pooled = self.pooler(h) if self.pooler else None                   # reads h[:, 0]: [CLS]
+        if reads is not None and self.pooler is not None:
+            h = h[:, 1:]                                                   # (B, P, H): read_positions
+        return BertModelOutput(last_hidden_state=h, pooler_output=pooled)
 
 
 # ----------------------------------------------------------------------------------------------- heads
@@ -447,12 +504,9 @@ class BertForPreTraining(BertPreTrainedModel):
                 next_sentence_label: torch.Tensor | None = None) -> BertForPreTrainingOutput:
         """masked_positions (B, P): run the (vocabulary-wide, expensive) MLM head only there; `labels` is then
         (B, P) aligned with it, else (B, T). -100 = ignore. next_sentence_label (B,): 0 IsNext, 1 random, -100."""
-        # With masked_positions nothing reads the padding positions' outputs.
-        out = self.bert(input_ids, token_type_ids, attention_mask, reads_padding=masked_positions is None)
-        h = out.last_hidden_state                                          # (B, T, H)
-        if masked_positions is not None:
-            index = masked_positions.unsqueeze(-1).expand(-1, -1, h.size(-1))  # (B, P, H)
-            h = h.gather(1, index)                                         # (B, P, H)
+        # With masked_positions only those positions' outputs (and [CLS]'s) are read.
+        out = self.bert(input_ids, token_type_ids, attention_mask, read_positions=masked_positions)
+        h = out.last_hidden_state                                          # (B, T, H), or (B, P, H) masked
         decoder_weight = self.bert.embeddings.word_embeddings.weight      # (padded V, H), tied
         prediction_logits = self.cls.predictions(h, decoder_weight)        # (B, T or P, V)
         seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
@@ -484,7 +538,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> SequenceClassifierOutput:
-        pooled = self.bert(input_ids, token_type_ids, attention_mask, reads_padding=False).pooler_output  # (B, H)
+        # Only [CLS]'s output is read (by the pooler): no other position's.
+        pooled = self.bert(input_ids, token_type_ids, attention_mask,
+                           read_positions=input_ids.new_zeros(input_ids.size(0), 0)).pooler_output  # (B, H)
         logits = self.classifier(self.dropout(pooled))                    # (B, num_labels)
         loss = None
         if labels is not None:

@@ -31,6 +31,12 @@ class ModelOptionsConfig:
     enough (`unpad.PER_SEQUENCE_MIN_SAVED`; same results; a MiniLM-sized training step at fill 0.67 is 4-5% faster,
     a 2-head model at length 64 would be slower and keeps the grid: BENCHMARKS.md "Time to quality"). Ignored on a GPU (a kernel launch per sequence) and with compile (the lengths would be new constants
     every batch)."""
+    prune_last_layer: bool = True
+    """Where the caller reads the last layer at a few positions only ([CLS] for classification, [CLS] and the masked
+    positions for pretraining with masked positions), the last layer computes those rows only: their queries,
+    attention output, FFN and LayerNorms; keys and values still at every token. The same results (float rounding);
+    saves about 10/12 of one layer's work per unread token (BENCHMARKS.md "Time to quality"). Sets
+    `BertModel.prune_last_layer`."""
     gradient_checkpointing: bool = False
     """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute); only
     where grad is enabled (no cost in evaluation)."""
@@ -46,12 +52,12 @@ class CheckpointedBertLayer(BertLayer):
     state_dict, the HF export, checkpoint folders and the optimizer's grouping by name see the same model. Like
     torchtitan's block wrapper, FSDP2 shards the layer around it and compile traces through it."""
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, rows: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing to keep for a backward pass: nothing to recompute
-            return super().forward(x, layout)
+            return super().forward(x, layout, rows)
         # Dropout draws the same numbers again (checkpoint restores the RNG state). The recompute check compares
         # the saved tensors' shapes, which nested (jagged) tensors do not have.
-        return torch.utils.checkpoint.checkpoint(super().forward, x, layout, use_reentrant=False,
+        return torch.utils.checkpoint.checkpoint(super().forward, x, layout, rows, use_reentrant=False,
                                                  determinism_check="default" if layout.jagged is None else "none")
 
 
@@ -64,6 +70,7 @@ def apply_model_options(model: nn.Module, options: ModelOptionsConfig) -> nn.Mod
     encoder.unpad = options.unpad
     encoder.jagged_attention = options.jagged_attention
     encoder.per_sequence_attention = options.per_sequence_attention and not options.compile
+    encoder.prune_last_layer = options.prune_last_layer
     for layer in encoder.encoder.layer:
         if type(layer) not in (BertLayer, CheckpointedBertLayer):
             raise TypeError(f"apply_model_options: an encoder layer is a {type(layer).__name__}; apply the options "

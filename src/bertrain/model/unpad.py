@@ -211,6 +211,22 @@ class AttentionLayout:
             return x
         return gather_rows(x.reshape(-1, x.size(-1)), self.indices)
 
+    def rows_at(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where the tokens at `positions` (B, P) (each in [0, seq_len)) are among this layout's flat rows: (B, P)
+        indices into the (B * seq_len, ...) padded or the (N, ...) unpadded rows. Unpadded, also which of them are
+        real tokens, (B, P) bool: a padding position has no row (it gets row 0, and its output must be zeroed, as
+        `to_padded` gives 0 there); padded, None. Device ops only (no host sync)."""
+        B = positions.size(0)
+        starts = torch.arange(B, device=positions.device).unsqueeze(1)    # (B, 1)
+        if self.indices is None:
+            return positions + starts * seq_len, None
+        Tp = self.mask.size(-1)
+        row_of = torch.full((B * Tp,), -1, dtype=torch.long, device=positions.device)
+        row_of[self.indices] = torch.arange(self.indices.numel(), device=positions.device)
+        rows = row_of[positions.clamp(max=Tp - 1) + starts * Tp]          # (B, P), -1 at padding
+        real = (rows >= 0) & (positions < Tp)
+        return rows.clamp(min=0), real
+
     def to_padded(self, h: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The encoder's output as (B, T, H), T = `seq_len`: unpadded outputs are 0 at padding positions."""
         if self.indices is None:
