@@ -35,8 +35,8 @@ class ModelOptionsConfig:
     """Where the caller reads the last layer at a few positions only ([CLS] for classification, [CLS] and the masked
     positions for pretraining with masked positions), the last layer computes those rows only: their queries,
     attention output, FFN and LayerNorms; keys and values still at every token. The same results (float rounding);
-    saves about 10/12 of one layer's work per unread token (BENCHMARKS.md "Time to quality"). Sets
-    `BertModel.prune_last_layer`."""
+    saves about 10/12 of one layer's Linear work per unread token: a MiniLM fine-tuning step 0.90x, a 4-layer
+    pretraining step 0.88x (BENCHMARKS.md, "Techniques" and "Time to quality"). Sets `BertModel.prune_last_layer`."""
     gradient_checkpointing: bool = False
     """Recompute each encoder layer's activations in the backward pass (less memory, ~1/3 more compute); only
     where grad is enabled (no cost in evaluation)."""

@@ -14,6 +14,9 @@ Four layouts, each tested equal to the first (tests/test_fastpath.py):
   little on a CPU (where the padded grid's attention, its dropout and its zero fill were a quarter of a fine-tuning
   step: BENCHMARKS.md) and much on a GPU (a launch per call).
 
+`AttentionLayout.rows_at` says where given positions are among a layout's flat rows: the pruned last layer
+(`BertModel.prune_last_layer`) computes those rows only.
+
 The layout depends on the batch's lengths, which are data: read on a GPU they would stall the host every step (a
 device-to-host copy waits for all queued work). So the mask may stay on the host while the batch is on the GPU (the
 trainer does that, `train/trainer.py:to_device`): the layout is then computed there and only its tensors go to the
