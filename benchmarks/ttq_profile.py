@@ -19,6 +19,7 @@ and its ratio to the first side. This is the measurement for small differences (
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -90,8 +91,8 @@ def interleaved(sides: list[str], init: str, data: list[dict], rounds: int, warm
     from bertrain.bench.timing import Side, time_interleaved
 
     def cycling(step: Callable[[dict], None]) -> Callable[[], None]:
-        i = iter(range(10 ** 9))
-        return lambda: step(data[next(i) % len(data)])
+        batches = itertools.cycle(data)
+        return lambda: step(next(batches))
     timed = [Side(s, cycling(training_step(s, init, jagged))) for s in sides]
     time_interleaved(timed, rounds, warmup, torch.device("cpu"), measure_memory=False)
     first = statistics.median(timed[0].times)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -348,18 +349,29 @@ def test_the_heartbeat_leaves_a_slow_store_before_the_rank_goes_on_and_a_frozen_
 # ----------------------------------------------------------------------------------------------- long barrier
 
 def _barrier_worker(rank: int, world_size: int, out: str) -> None:
+    import bertrain.train.distributed as distributed
     from bertrain.train.config import DistributedConfig
     from bertrain.train.distributed import barrier, distributed_context
-    with distributed_context(DistributedConfig(backend="gloo", device="cpu", timeout_s=2, heartbeat_timeout_s=0)):
-        marker = Path(out, "rank1-waiting")
+    timeout_s = 2
+    with distributed_context(DistributedConfig(backend="gloo", device="cpu", timeout_s=timeout_s,
+                                               heartbeat_timeout_s=0)):
+        waited = Path(out, "rank1-waited")
         if rank == 0:  # slow: rank 0 arrives once rank 1 has waited twice as long as any collective may wait
             deadline = time.monotonic() + 120
-            while not marker.exists():  # readiness: rank 1 is at the barrier (however loaded the machine)
-                assert time.monotonic() < deadline, "rank 1 never reached the barrier"
+            while not waited.exists():  # readiness: rank 1 says so from inside the barrier (however loaded)
+                assert time.monotonic() < deadline, "rank 1 never reported a long enough wait at the barrier"
                 time.sleep(0.05)
-            time.sleep(4)  # the delay under test, counted from rank 1's arrival: 2 x timeout_s
-        else:
-            marker.write_text("")
+        else:  # the barrier's own "still waiting" lines, every 0.2 s here, tell when 2 x timeout_s have passed
+            distributed.LONG_WAIT_LOG_S = 0.2
+            arrived = time.monotonic()
+
+            class Waited(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    if "still waiting for" in record.getMessage() and time.monotonic() - arrived >= 2 * timeout_s:
+                        waited.touch()
+            logger = logging.getLogger(distributed.__name__)
+            logger.setLevel(logging.INFO)  # other ranks are quieted to warnings
+            logger.addHandler(Waited())
         barrier(waiting_for="rank 0 to prepare the data", poll_s=0.1)
         barrier()  # the group is still usable
         Path(out, f"rank{rank}").write_text("passed")
@@ -368,7 +380,7 @@ def _barrier_worker(rank: int, world_size: int, out: str) -> None:
 @pytest.mark.slow
 def test_a_long_barrier_outlasts_the_collective_timeout(tmp_path: Path) -> None:
     spawn(_barrier_worker, 2, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1", "rank1-waiting"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1", "rank1-waited"]
 
 
 # ----------------------------------------------------------------------------------------------- real runs
