@@ -92,6 +92,22 @@ def test_a_new_run_never_overwrites_a_finished_one(finished, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_run_refused_before_any_work_does_not_block_the_corrected_command(tmp_path, capsys):
+    """A config error found after the folder was claimed leaves only the run record: the fixed command starts
+    there without --overwrite, as a new run."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out)
+    assert main(["pretrain", "--config", str(cfg), "--train.micro_batch_size", "3"]) == 2
+    assert "micro_batch_size" in capsys.readouterr().err
+    leftover = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert leftover in ([], ["run.json"])
+    refused_id = json.loads((out / "run.json").read_text())["run_id"] if leftover else None
+    assert main(["pretrain", "--config", str(cfg)]) == 0
+    assert (out / "final").is_dir() and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
+    assert json.loads((out / "run.json").read_text())["run_id"] != refused_id
+    capsys.readouterr()
+
+
 def test_resume_refuses_run_changing_keys_listing_each(finished, capsys):
     cfg, out = finished
     before = snapshot(out)

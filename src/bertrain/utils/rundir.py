@@ -23,8 +23,10 @@ from bertrain.utils.errors import UserError, writing
 from bertrain.utils.io import atomic_write_json
 
 RUN_FILE = "run.json"
-# What marks a folder as holding a run's outputs (a folder with none of these is free to use).
-RUN_OUTPUTS = ("run.json", "config.yaml", "metrics.jsonl", "final", "eval_results.json", "predictions.json")
+# What marks a folder as holding a run's outputs (a folder with none of these is free to use). `run.json` alone is
+# not one: a run that stopped at a config or input error before writing anything leaves only its record, and the
+# corrected command must be able to start there without --overwrite.
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "final", "eval_results.json", "predictions.json")
 
 
 def lock_path(path: str | os.PathLike) -> Path:
@@ -85,7 +87,8 @@ def read_run(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def holds_run(path: str | os.PathLike) -> bool:
-    """Whether the folder holds the outputs of a run (training, fine-tuning or evaluation)."""
+    """Whether the folder holds the outputs of a run (training, fine-tuning or evaluation); its run record alone
+    (`run.json`) does not count."""
     path = Path(path)
     return path.is_dir() and (any((path / name).exists() for name in RUN_OUTPUTS)
                               or any(path.glob("step-*")))
