@@ -130,6 +130,27 @@ def test_tokenizer_files_from_vocab_load_in_transformers(tmp_path):
         tokenizer_files_from_vocab(tmp_path / "bad.txt")
 
 
+def test_an_exported_tokenizer_truncates_to_the_models_positions(tmp_path):
+    """A model with 64 positions gets model_max_length 64 in its tokenizer_config.json (not BERT's 512), so HF's
+    `truncation=True` yields inputs the model can take; a config already within the positions is kept byte for byte."""
+    write_vocab(tmp_path / "vocab.txt")
+    from bertrain.model.bert import BertConfig
+    model = BertForPreTraining(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=64))
+    model.tokenizer_files = tokenizer_files_from_vocab(tmp_path / "vocab.txt")
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    enc = tok(" ".join(["the cat sat on the mat ."] * 40), truncation=True, return_tensors="pt")
+    assert enc["input_ids"].shape == (1, 64)
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "out")
+    assert hf(**enc).prediction_logits.shape == (1, 64, VOCAB)
+
+    model.tokenizer_files = {**model.tokenizer_files, "tokenizer_config.json": b'{"model_max_length": 32}\n'}
+    model.save_pretrained(tmp_path / "short")
+    assert (tmp_path / "short" / "tokenizer_config.json").read_bytes() == b'{"model_max_length": 32}\n'
+
+
 # ----------------------------------------------------------------------------------------------- old layouts
 
 def test_old_bin_layout_without_prefix_with_gamma_beta_and_decoder_copies(tmp_path):

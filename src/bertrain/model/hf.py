@@ -458,6 +458,16 @@ def tokenizer_files_from_vocab(vocab_file: str | os.PathLike, do_lower_case: boo
             "special_tokens_map.json": (json.dumps(SPECIAL_TOKENS, indent=2) + "\n").encode()}
 
 
+def fit_model_max_length(tokenizer_config: bytes, max_positions: int) -> bytes:
+    """tokenizer_config.json whose `model_max_length` is at most the model's position count: HF tokenizers truncate
+    to it, and a longer input would fail in the position embeddings. Other files' bytes are kept as they are."""
+    config = json.loads(tokenizer_config)
+    length = config.get("model_max_length")
+    if isinstance(length, (int, float)) and length <= max_positions:
+        return tokenizer_config
+    return (json.dumps({**config, "model_max_length": max_positions}, indent=2) + "\n").encode()
+
+
 def hf_config_dict(model: BertPreTrainedModel) -> dict[str, Any]:
     """config.json for `model`: the BERT fields, its class as the architecture, labels for classification."""
     d = config_to_hf_dict(model.config, [type(model).__name__])
@@ -485,6 +495,9 @@ def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None
     tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in to_hf_state_dict(model).items()}
     path.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path / SAFETENSORS, save_safetensors(tensors, metadata={"format": "pt"}))
+    if "tokenizer_config.json" in files:
+        files["tokenizer_config.json"] = fit_model_max_length(files["tokenizer_config.json"],
+                                                              model.config.max_position_embeddings)
     for name, data in files.items():
         atomic_write_bytes(path / name, data)
     atomic_write_json(path / "config.json", hf_config_dict(model))
