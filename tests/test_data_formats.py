@@ -267,6 +267,29 @@ def test_truncated_zst_keeps_what_was_read_and_says_so(shakespeare, tmp_path):
     assert docs[len(got) - 1].startswith(got[-1])
 
 
+@pytest.mark.parametrize("suffix", [".gz", ".xz"])
+def test_truncated_gz_and_xz_keep_the_text_before_the_cut(shakespeare, tmp_path, suffix):
+    """A cut .gz/.xz keeps (at least) every document that reading the stream in 4 KiB steps can recover: reading
+    in large blocks must not drop the block that the cut ends."""
+    import lzma
+    path, docs = shakespeare
+    module = gzip if suffix == ".gz" else lzma
+    data = module.compress(path.read_bytes())
+    cut = tmp_path / f"cut.txt{suffix}"
+    cut.write_bytes(data[: int(len(data) * 0.6)])
+    recoverable = bytearray()
+    with module.open(cut) as f, pytest.raises(EOFError):
+        while block := f.read(4096):
+            recoverable += block
+    (tmp_path / "prefix.txt").write_bytes(bytes(recoverable))
+    reference = raw_texts([tmp_path / "prefix.txt"])
+    assert len(docs) // 3 < len(reference) < len(docs)
+    report = SkipReport()
+    got = [d.text for d in iter_raw_documents([str(cut)], CorpusConfig(), report)]
+    assert report.problems() == {str(cut): {"truncated_files": 1}}
+    assert len(got) >= len(reference) - 1 and got[: len(reference) - 1] == reference[:-1] == docs[: len(reference) - 1]
+
+
 def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": ["Some text."]}), tmp_path / "c.parquet")
     (tmp_path / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"Some text.\n"))

@@ -143,6 +143,10 @@ class CountingReader(io.RawIOBase):
         self.progress = progress
         self.nbytes = 0
         self.truncated: str | None = None
+        # read1: at most one decompressed chunk per call. GzipFile/BZ2File/LZMAFile.read(n) gather many chunks and
+        # drop all of them when the stream turns out to be cut, so a truncated file would lose up to len(b) bytes
+        # of good text before the cut (the zstd stream keeps what it decoded itself).
+        self._read = getattr(self.raw, "read1", self.raw.read)
 
     def readable(self) -> bool:
         return True
@@ -151,7 +155,7 @@ class CountingReader(io.RawIOBase):
         if self.truncated:
             return 0
         try:
-            data = self.raw.read(len(b))
+            data = self._read(len(b))
         except (EOFError, OSError, lzma.LZMAError) as e:  # bz2/gzip/lzma raise these on a cut-off file
             if self.raw is self.file:  # a plain file: a read error, not a truncated stream
                 raise UserError(f"cannot read input {self.path}: {getattr(e, 'strerror', None) or e}") from e
