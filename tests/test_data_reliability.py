@@ -371,6 +371,27 @@ def test_unreadable_vocab_file_for_prepare(tmp_path, capsys):
     assert code == 2 and "lacks the special tokens" in one_line_error(err)
 
 
+def test_prepare_follows_the_casing_the_vocab_was_trained_with(tmp_path, capsys):
+    """A cased vocabulary (`vocab --cased`) is prepared cased by default; asking for lower-casing is refused before
+    any output exists (it would silently split every capitalised word); a vocab.txt replaced after training (its
+    record describes another file) or one without a record keeps the lower-case default."""
+    vocab = tmp_path / "v"
+    assert run_cli(capsys, "vocab", "--input", "builtin:python-docs", "--output", vocab, "--vocab-size", "800",
+                   "--cased")[0] == 0
+    common = ("--input", "builtin:python-docs", "--vocab-file", vocab / "vocab.txt", "--masking", "dynamic",
+              "--workers", "1")
+    assert run_cli(capsys, "prepare", *common, "--output", tmp_path / "d")[0] == 0
+    assert json.loads((tmp_path / "d" / "stats.json").read_text())["tokenizer_identity"].startswith(
+        "wordpiece-800-cased-")
+    code, _, err = run_cli(capsys, "prepare", *common, "--output", tmp_path / "lower", "--do-lower-case")
+    line = one_line_error(err)
+    assert code == 2 and "trained cased" in line and "do_lower_case" in line and not (tmp_path / "lower").exists()
+    shutil.copy(TINY_VOCAB, vocab / "vocab.txt")  # no longer the file the record describes
+    assert tokmod.recorded_casing(vocab / "vocab.txt") is None
+    assert run_cli(capsys, "prepare", *common, "--output", tmp_path / "other")[0] == 0
+    assert "-uncased-" in json.loads((tmp_path / "other" / "stats.json").read_text())["tokenizer_identity"]
+
+
 def test_bad_input_after_finished_shards_removes_the_partial_build(tmp_path):
     """A binary among the inputs, found after shards were finished: the inputs must change to get past it (which
     restarts the build anyway), so the partial build is removed, and nothing earlier is touched."""

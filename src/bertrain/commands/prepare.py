@@ -8,6 +8,7 @@ import json
 from bertrain.data.prepare import PrepareConfig, add_heldout, prepare
 from bertrain.data.readers import INPUT_FORMATS, CorpusConfig
 from bertrain.data.samples import SampleConfig
+from bertrain.data.tokenizer import recorded_casing
 from bertrain.utils.errors import UserError
 
 HELP = "tokenize corpora into a sharded token store and (--masking static) pretraining instances"
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--masking", choices=["static", "dynamic", "none"], default="static",
       help="static: also materialise masked instances (google-research/bert); dynamic or none: write the token "
            "store only, samples are built and masked at training time (default static)")
-    a("--do-lower-case", action=argparse.BooleanOptionalAction, default=True, help="must match the vocab")
+    a("--do-lower-case", action=argparse.BooleanOptionalAction, default=None,
+      help="must match the vocab (default: the casing `bertrain vocab` recorded beside it, else lower-case)")
     a("--seed", "--random-seed", dest="seed", type=int, default=12345,
       help="seed of blocks, masking and NSP pairing (default 12345)")
     a("--workers", type=int, default=0, help="worker processes (default: every core)")
@@ -77,9 +79,13 @@ def run(args: argparse.Namespace) -> int:
                           masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
                           whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence,
                           split_sentences=args.split_sentences)
+    do_lower_case = args.do_lower_case
+    if do_lower_case is None:
+        recorded = recorded_casing(args.vocab_file)
+        do_lower_case = True if recorded is None else recorded
     cfg = PrepareConfig(
         inputs=args.input, output=args.output, vocab_file=args.vocab_file, sample=sample,
-        dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=args.do_lower_case, seed=args.seed,
+        dupe_factor=args.dupe_factor, masking=args.masking, do_lower_case=do_lower_case, seed=args.seed,
         workers=args.workers, overwrite=args.overwrite, shard_tokens=args.shard_tokens,
         corpus=CorpusConfig(input_format=args.input_format, text_field=args.text_field,
                             min_document_chars=args.min_document_chars, dedupe=args.dedupe,

@@ -59,7 +59,7 @@ from bertrain.data.samples import (InstanceBuilder, SampleConfig, sample_from_re
                                    write_static_meta)
 from bertrain.data.store import (HELDOUT_DIR, STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, document_hashes,
                                  heldout_status, open_shard, read_store_meta, token_dtype)
-from bertrain.data.tokenizer import FastBertEncoder, read_vocab, tokenizer_identity
+from bertrain.data.tokenizer import FastBertEncoder, check_vocab_casing, read_vocab, tokenizer_identity
 from bertrain.utils.errors import OutputError, UserError, describe_os_error
 from bertrain.utils.io import atomic_write_json, fsync_dir
 from bertrain.utils.memory import keep_freed_memory
@@ -638,6 +638,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         if out.exists() and not cfg.overwrite:
             raise UserError(f"output {out} already exists; pass --overwrite to replace it (the old folder is kept "
                             f"until the new one is complete, then moved aside, not deleted)")
+        check_vocab_casing(cfg.vocab_file, cfg.do_lower_case,
+                           "do_lower_case (`prepare --[no-]do-lower-case`, pretraining's data.do_lower_case)")
         identity = tokenizer_identity(cfg.vocab_file, cfg.do_lower_case)
         resolve_inputs(cfg.inputs)  # a mistyped input: refused before the partial folder is touched
         status = _Status(f"creating {work}")

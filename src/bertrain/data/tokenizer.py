@@ -65,6 +65,31 @@ def tokenizer_identity(vocab_file: str | os.PathLike, do_lower_case: bool) -> st
     return f"wordpiece-{len(tokens)}-{'uncased' if do_lower_case else 'cased'}-{h.hexdigest()[:16]}"
 
 
+def recorded_casing(vocab_file: str | os.PathLike) -> bool | None:
+    """Whether `bertrain vocab` trained `vocab_file` lower-cased, from the vocab-stats.json beside it; None when
+    there is no such record, or it describes another file (its sha256 differs: the vocab.txt was replaced)."""
+    vocab_file = Path(vocab_file)
+    try:
+        stats = json.loads((vocab_file.parent / VOCAB_STATS).read_text(encoding="utf-8"))
+        if stats["sha256"] != hashlib.sha256(vocab_file.read_bytes()).hexdigest():
+            return None
+        lowercase = stats["settings"]["lowercase"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return lowercase if isinstance(lowercase, bool) else None
+
+
+def check_vocab_casing(vocab_file: str | os.PathLike, do_lower_case: bool, option: str) -> None:
+    """Refuse tokenizing with the other casing than the one `vocab_file` was trained with (when it is recorded):
+    a cased vocabulary read lower-cased splits most capitalised words into pieces, silently. `option` names the
+    setting the user changes (e.g. `--do-lower-case`)."""
+    trained = recorded_casing(vocab_file)
+    if trained is not None and trained != do_lower_case:
+        raise UserError(f"{vocab_file} was trained {'uncased' if trained else 'cased'} ({VOCAB_STATS} beside it: "
+                        f"lowercase {str(trained).lower()}), but {option} is {str(do_lower_case).lower()}: use the "
+                        f"vocabulary's casing, or a vocabulary trained with the casing you want")
+
+
 def check_tokenizer_identity(expected: str, vocab_file: str | os.PathLike, do_lower_case: bool, where: str) -> None:
     """Raise `ValueError` when the data at `where` was tokenized with another vocab/casing than `vocab_file`."""
     actual = tokenizer_identity(vocab_file, do_lower_case)
