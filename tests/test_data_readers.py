@@ -88,6 +88,21 @@ def test_lines_jsonl_folder_glob_and_dedupe(tmp_path):
         resolve_inputs([str(tmp_path / "missing.txt")])
 
 
+def test_a_file_name_with_a_hash_is_reported_whole(tmp_path):
+    """Skips are counted under the input file: a '#' in its name is part of it (only a dump's pages are FILE#TITLE)."""
+    f = tmp_path / "notes#1.txt"
+    f.write_text("A document that is long enough to be kept here.\n\nShort.\n\nA document that is long enough "
+                 "to be kept here.\n")
+    docs, report = read([f], dedupe=True, min_document_chars=20)
+    assert [d.source for d in docs] == [str(f)]
+    assert report.counts == {str(f): {"short_documents": 1, "duplicate_documents": 1}}
+    from bertrain.data.prepare import prepare
+    from helpers import prepare_config
+    stats = prepare(prepare_config(tmp_path / "out", inputs=[str(f)], masking="dynamic", heldout_fraction=0,
+                                   corpus=CorpusConfig(dedupe=True, min_document_chars=20)))
+    assert stats["skipped"]["problems"] == {str(f): {"short_documents": 1, "duplicate_documents": 1}}
+
+
 def test_builtin_python_docs():
     docs, report = read(["builtin:python-docs"])
     assert len(docs) >= 70 and report.input_bytes > 400_000

@@ -148,9 +148,9 @@ def _tokenize_chunk(docs: list[tuple[str, str, str]]) -> tuple[np.ndarray, np.nd
     skipped: dict[str, Counter] = defaultdict(Counter)
     for (kind, group) in groupby(docs, key=itemgetter(1)):
         group = list(group)
-        for (_, _, source), sents in zip(group, clean_documents([d[0] for d in group], kind)):
+        for (_, _, file), sents in zip(group, clean_documents([d[0] for d in group], kind)):
             if sum(map(len, sents)) < _W["min_chars"]:
-                skipped[source.split("#")[0]]["short_documents"] += 1
+                skipped[file]["short_documents"] += 1
                 continue
             sentences.extend(sents)
             per_doc.append(len(sents))
@@ -243,10 +243,10 @@ def _chunks(docs: Iterator[RawDocument], chunk_bytes: int, dedupe: bool,
         if dedupe:
             h = doc_hash(d.text)
             if h in seen:
-                report.add(d.source.split("#")[0], "duplicate_documents")
+                report.add(d.file, "duplicate_documents")
                 continue
             seen.add(h)
-        chunk.append((d.text, d.kind, d.source))
+        chunk.append((d.text, d.kind, d.file))
         size += len(d.text)
         if size >= chunk_bytes:
             yield chunk

@@ -94,7 +94,15 @@ class RawDocument:
 
     text: str
     kind: str
-    source: str
+    file: str
+    """The input it came from (a path, or builtin:python-docs): what the skip report counts under."""
+    name: str = ""
+    """Within `file`: a Wikipedia page's title, a built-in document's name; "" for a file that is one stream."""
+
+    @property
+    def source(self) -> str:
+        """`file#name` (a page of a dump), or `file`."""
+        return f"{self.file}#{self.name}" if self.name else self.file
 
 
 @dataclass
@@ -411,7 +419,7 @@ def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport,
                         if opts.skip_disambiguation and ("(disambiguation)" in (title or "") or _DISAMBIG.search(text)):
                             report.add(path, "wiki_disambiguation")
                         else:
-                            yield RawDocument(text, "wiki", f"{path}#{title}")
+                            yield RawDocument(text, "wiki", path, title)
                     root.clear()  # free the finished page (memory flat in the dump size)
         except ET.ParseError as e:
             if reader.truncated or "no element found" in str(e) or "unclosed token" in str(e):
@@ -438,7 +446,7 @@ def _read_builtin_python_docs(report: SkipReport, progress: InputProgress | None
         done += n
         if progress is not None:
             progress.at(min(done, _BUILTIN_BYTES))
-        yield RawDocument(text, "paragraphs", f"{BUILTIN_PYTHON_DOCS}#{name}")
+        yield RawDocument(text, "paragraphs", BUILTIN_PYTHON_DOCS, name)
 
 
 def iter_raw_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
@@ -478,7 +486,7 @@ def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
     def flush() -> Iterator[Document]:
         for raw, sentences in zip(batch, clean_documents([r.text for r in batch], batch[0].kind)):
             if sum(map(len, sentences)) < max(1, opts.min_document_chars):
-                report.add(raw.source.split("#")[0], "short_documents")
+                report.add(raw.file, "short_documents")
                 continue
             report.documents += 1
             yield Document(sentences, raw.source)
@@ -487,7 +495,7 @@ def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
         if seen is not None:
             h = doc_hash(raw.text)
             if h in seen:
-                report.add(raw.source.split("#")[0], "duplicate_documents")
+                report.add(raw.file, "duplicate_documents")
                 continue
             seen.add(h)
         if batch and (raw.kind != batch[0].kind or size >= batch_chars):
