@@ -103,6 +103,21 @@ def test_a_file_name_with_a_hash_is_reported_whole(tmp_path):
     assert stats["skipped"]["problems"] == {str(f): {"short_documents": 1, "duplicate_documents": 1}}
 
 
+def test_jsonl_without_the_field_and_xml_without_pages_say_what_to_change(tmp_path, caplog):
+    j = tmp_path / "c.jsonl"
+    j.write_text(json.dumps({"content": "A document under another key."}) + "\n" + json.dumps(["a", "list"]) + "\n")
+    x = tmp_path / "r.xml"
+    x.write_text("<root><item>Text that is not a wiki page at all.</item></root>\n")
+    with caplog.at_level(logging.WARNING):
+        docs, report = read([j, x], min_document_chars=0)
+    assert docs == [] and report.counts[str(j)]["lines_without_text"] == 2
+    assert f"{j} line 1 has no string field 'text' (its keys: content)" in caplog.text
+    assert f"{j} line 2 has no string field 'text' (a JSON list, not an object)" in caplog.text
+    assert "--text-field" in caplog.text
+    assert f"{x} has no MediaWiki <page> elements (its root element is <root>)" in caplog.text
+    assert "--input-format text" in caplog.text
+
+
 def test_builtin_python_docs():
     docs, report = read(["builtin:python-docs"])
     assert len(docs) >= 70 and report.input_bytes > 400_000

@@ -346,6 +346,11 @@ def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = 
             text = obj.get(text_field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 report.add(path, f"lines_without_{text_field}")
+                if report.counts[path][f"lines_without_{text_field}"] <= 3:
+                    has = (f"its keys: {', '.join(map(str, list(obj)[:8]))}" if isinstance(obj, dict)
+                           else f"a JSON {type(obj).__name__}, not an object")
+                    report.warn("%s line %d has no string field %r (%s); skipped. Name the text field with "
+                                "--text-field (pretraining config: data.text_column)", path, lineno, text_field, has)
                 continue
             yield RawDocument(text, "text", path)
         _account_file(reader, path, report)
@@ -358,8 +363,8 @@ def _read_table(path: str, fmt: str, column: str, report: SkipReport,
     from bertrain.data.tables import Table, text_bytes
 
     with Table(path, fmt) as table:
-        table.column(column, "string", hint="name the text column with --text-column (config key "
-                                            "corpus.text_field)")
+        table.column(column, "string", hint="name the text column with --text-column (pretraining "
+                                            "config: data.text_column)")
         rows = 0
         for batch, pos in table.batches([column]):
             values = batch.column(0)
@@ -428,6 +433,10 @@ def _read_wiki(path: str, opts: CorpusConfig, report: SkipReport,
                 raise ValueError(f"{path} is not a valid MediaWiki XML dump: {e}") from None
     finally:
         reader.close()
+    if not report.counts[path]["wiki_pages"] and not reader.truncated:
+        report.warn("%s has no MediaWiki <page> elements (its root element is <%s>): it is not a Wikipedia dump; "
+                    "`bertrain vocab/prepare --input-format text` reads it as plain text (or name it .txt)", path,
+                    "none" if root is None else root.tag.rsplit("}", 1)[-1])
     _account_file(reader, path, report, kept=f"the {report.counts[path]['wiki_pages']} complete pages before the cut")
 
 
