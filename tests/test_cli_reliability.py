@@ -180,6 +180,19 @@ def test_misspelt_key_on_the_command_line_suggests_the_key(capsys):
     with pytest.raises(SystemExit):  # an ordinary option: the close one
         main(["pretrain", "--confg", "x.yaml"])
     assert "unrecognized argument --confg — did you mean --config?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an unknown section: the sections and the top-level keys
+        main(["pretrain", "--bogus.key", "1"])
+    err = capsys.readouterr().err
+    assert "unknown config key 'bogus.key'; known sections: checkpoint, data," in err
+    assert "train; top-level keys: output_dir, seed" in err
+
+
+def test_a_negative_value_in_exponent_notation_reaches_the_keys_own_check(capsys):
+    assert main(["pretrain", "--optim.lr", "-1e-3", "--data.synthetic_samples", "8"]) == 2
+    assert "config key 'optim.lr' must be > 0, got -0.001" in capsys.readouterr().err
+    from bertrain.cli import join_negative_values
+    assert join_negative_values(["--a.b", "-1e-3", "--c", "-.5", "-v", "--d=-1", "--e", "-x"]) == [
+        "--a.b=-1e-3", "--c=-.5", "-v", "--d=-1", "--e", "-x"]
 
 
 def test_misspelt_key_in_a_config_file_suggests_the_key(tmp_path, capsys):

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import traceback
 
@@ -120,10 +121,26 @@ def _describe_stop(e: RunStopped) -> str:
     return text
 
 
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--optim.lr -1e-3` -> `--optim.lr=-1e-3`: argparse takes a value that starts with '-' for an option unless it
+    looks like a plain negative number (-3, -0.5), so exponents would otherwise fail with "expected one argument"
+    and the value's own check (e.g. "lr must be > 0") would never be reached."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_NUMBER.fullmatch(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `bertrain` command; returns its exit code (see the module docstring). A usage error (an unknown
     option or config key, a missing argument) raises SystemExit(2) as argparse does."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
     debug = "--debug" in argv  # known before parsing, so even an interrupted import is reported as asked
     try:
         parser = build_parser(argv)

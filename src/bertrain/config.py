@@ -222,9 +222,11 @@ def unknown_key_message(key: str, known: list[str] | tuple[str, ...], spell=lamb
         return f"unknown config key {spell(key)} — did you mean {' or '.join(spell(g) for g in guesses)}?"
     head = key.rpartition(".")[0]
     here = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == head)
-    if not here:
-        here = sorted(k for k in known if "." not in k)
-        head = ""
+    if not here:  # an unknown section: list the sections and the top-level keys
+        sections = sorted({k.partition(".")[0] for k in known if "." in k})
+        plain = sorted(k for k in known if "." not in k)
+        return (f"unknown config key {spell(key)}; known sections: {', '.join(sections)}"
+                + (f"; top-level keys: {', '.join(plain)}" if plain else ""))
     return f"unknown config key {spell(key)}; known keys{' in ' + head if head else ''}: {', '.join(here)}"
 
 
