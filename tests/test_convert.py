@@ -329,7 +329,7 @@ def test_cli_export_keeps_the_head(tmp_path):
     assert "qa_outputs.weight" in load_file(tmp_path / "qa" / "model.safetensors")
 
 
-def test_cli_info(tmp_path, capsys):
+def test_cli_info(tmp_path, capsys, caplog, monkeypatch):
     assert main(["info"]) == 0
     assert "hidden_size" in capsys.readouterr().out
     assert main(["info", "--model", "base", "--json"]) == 0
@@ -339,3 +339,10 @@ def test_cli_info(tmp_path, capsys):
     assert main(["info", "--model", str(src), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["vocab_size"] == VOCAB
     assert main(["info", "--model", "gigantic"]) == 2
+    (tmp_path / "cwd").mkdir()  # a folder named like a preset is the folder (with a warning), not the preset
+    hf_folder(tmp_path / "cwd", name="base")
+    monkeypatch.chdir(tmp_path / "cwd")
+    with caplog.at_level(logging.WARNING):
+        assert main(["info", "--model", "base", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["vocab_size"] == VOCAB
+    assert "not the preset base" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,14 @@ def describe(model: str) -> dict[str, Any]:
     from bertrain.model.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
     from bertrain.model.hf import config_from_json_file, find_config_file
 
-    if model in PRESETS:
-        config, source = BertConfig.from_preset(model), f"preset {model}"
-    elif Path(model).exists():
+    if Path(model).exists():  # a folder the user made wins over a preset of the same name (said below)
+        if model in PRESETS:
+            logging.getLogger(__name__).warning("--model %s: the folder %s, not the preset %s (run `bertrain info` "
+                                                "elsewhere for the preset)", model, Path(model).resolve(), model)
         config_file = find_config_file(resolve_checkpoint(Path(model)))  # a run folder: its latest checkpoint
         config, source = config_from_json_file(config_file), str(config_file)
+    elif model in PRESETS:
+        config, source = BertConfig.from_preset(model), f"preset {model}"
     else:
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder")
     with torch.device("meta"):  # shapes only: instant even for BERT-Large
