@@ -223,6 +223,13 @@ def test_predict_command_qa(tmp_path, tiny_model, capsys, monkeypatch):
     items.write_text(json.dumps({"question": "q", "context": "c"}) + "\n{oops\n")
     assert main(["predict", "--model", str(model), "--input", str(items)]) == 2
     assert f"{items}:2: malformed JSON" in capsys.readouterr().err
+    # two items with the same id: each answered from its own context, as when asked alone
+    from bertrain.deploy.predict import Predictor
+    predictor = Predictor(model)
+    a = {"id": "u", "question": "who sat ?", "context": ctx}
+    b = {"id": "u", "question": "where is the cat ?", "context": "the cat is in the garden by the big tree ."}
+    alone = [predictor.predict_qa([x])[0] for x in (a, b)]
+    assert alone[0] != alone[1] and predictor.predict_qa([a, b]) == alone
 
 
 # ----------------------------------------------------------------------------------------------- shipped configs

@@ -119,13 +119,14 @@ class Predictor:
             return []
         examples = []
         for i, it in enumerate(items):
-            qid = str(it.get("id", i))
             q, c = it.get("question"), it.get("context")
             if not isinstance(q, str) or not q.strip():
-                raise ValueError(f"item {qid}: empty or missing 'question'")
+                raise ValueError(f"item {it.get('id', i)}: empty or missing 'question'")
             if not isinstance(c, str) or not c.strip():
-                raise ValueError(f"item {qid}: empty or missing 'context'")
-            examples.append(SquadExample(qid, q, c, []))
+                raise ValueError(f"item {it.get('id', i)}: empty or missing 'context'")
+            # Keyed by position: the post-processing gathers each example's windows by this key, and two items
+            # may carry the same user id (their answers would be mixed). The user's id goes back on the output.
+            examples.append(SquadExample(str(i), q, c, []))
         t0 = time.perf_counter()
         fcfg = SquadFeatureConfig(self.max_seq_length, int(self.meta.get("doc_stride", 128)),
                                   int(self.meta.get("max_query_length", 64)))
@@ -136,10 +137,10 @@ class Predictor:
                                                           self.version_2_with_negative)
         self._count(len(items), time.perf_counter() - t0)
         out = []
-        for ex in examples:
+        for i, ex in enumerate(examples):
             answer = preds[ex.qid]
             best = next((p for p in nbest[ex.qid] if p["text"] == answer), nbest[ex.qid][0])
-            rec = {"id": ex.qid, "answer": answer, "score": best["probability"],
+            rec = {"id": str(items[i].get("id", i)), "answer": answer, "score": best["probability"],
                    "start": best.get("char_start"), "end": best.get("char_end")}
             if self.version_2_with_negative:
                 rec["null_score_diff"] = null_odds[ex.qid]
@@ -236,17 +237,32 @@ def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, 
                 if len(cols) not in (1, 2):
                     raise ValueError(f"{where}: expected text[<TAB>text_pair], got {len(cols)} fields")
                 obj = {"text": cols[0]} if len(cols) == 1 else {"text": cols[0], "text_pair": cols[1]}
-        if task == "qa" and not (isinstance(obj.get("question"), str) and isinstance(obj.get("context"), str)):
-            raise ValueError(f"{where}: a QA item needs string 'question' and 'context'")
-        if task == "classification" and not isinstance(obj.get("text", obj.get("sentence", obj.get("sentence1"))),
-                                                       str):
-            raise ValueError(f"{where}: a classification item needs a string 'text'")
+        if task == "qa":
+            fields = {"question": obj.get("question"), "context": obj.get("context")}
+            if not all(isinstance(v, str) for v in fields.values()):
+                raise ValueError(f"{where}: a QA item needs string 'question' and 'context'")
+        else:
+            text_key = next((k for k in ("text", "sentence", "sentence1") if k in obj), "text")
+            pair_key = next((k for k in ("text_pair", "sentence2") if obj.get(k) is not None), None)
+            fields = {text_key: obj.get(text_key), **({pair_key: obj[pair_key]} if pair_key else {})}
+            if not isinstance(fields[text_key], str):
+                raise ValueError(f"{where}: a classification item needs a string 'text'")
+            if pair_key and not isinstance(fields[pair_key], str):
+                raise ValueError(f"{where}: '{pair_key}' must be a string")
+        for key, value in fields.items():
+            if not value.strip():
+                raise ValueError(f"{where}: '{key}' is empty")
+            bad = _SURROGATE.search(value)
+            if bad:  # a JSON escape such as \ud800: no character, and the tokenizer cannot take it
+                raise ValueError(f"{where}: '{key}' holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
+                                 f"character {bad.start() + 1}: not text; fix the JSON escape")
         obj["id"] = str(obj["id"]) if obj.get("id") is not None else str(index)
         index += 1
         yield obj
 
 
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, under errors="surrogateescape"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a decoded JSON string: an escaped lone surrogate
 
 
 def _lines(f: TextIO, name: str) -> Iterator[tuple[int, str]]:
