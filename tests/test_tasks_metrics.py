@@ -184,3 +184,11 @@ def test_glue_metrics_reject_bad_input():
         M.glue_compute_metrics("squad", [1], [1])
     with pytest.raises(ValueError, match="2 predictions for 3 labels"):
         M.glue_compute_metrics("sst2", [1, 0], [1, 0, 1])
+
+
+@pytest.mark.parametrize("task", ["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "mnli-mm", "qnli", "rte", "wnli"])
+def test_glue_metric_names_are_the_keys_of_the_metrics(task):
+    rng = np.random.default_rng(0)
+    labels = rng.random(20) * 5 if task == "stsb" else rng.integers(0, 2, 20)
+    preds = labels + rng.random(20) if task == "stsb" else rng.integers(0, 2, 20)
+    assert tuple(M.glue_compute_metrics(task, preds.tolist(), labels.tolist())) == M.glue_metric_names(task)

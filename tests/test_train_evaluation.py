@@ -184,6 +184,33 @@ def test_heldout_evaluation_survives_kill_and_resume_bit_for_bit(heldout_store: 
 # ----------------------------------------------------------------------------------------------- fine-tuning
 
 @pytest.mark.slow
+@pytest.mark.parametrize("task, metric, known", [
+    ("glue", "f1", "(accuracy)"),  # RTE reports accuracy only
+    ("squad", "exact_match", "(HasAns_exact, HasAns_f1, HasAns_total, NoAns_exact, NoAns_f1, NoAns_total, "
+                             "best_exact, best_exact_thresh, best_f1, best_f1_thresh, exact, f1, total)"),
+])
+def test_an_eval_metric_the_task_does_not_report_is_refused_before_any_step(tmp_path: Path, capsys, task, metric,
+                                                                            known) -> None:
+    from bertrain.cli import main
+    model = save_tiny_model(tmp_path / "model")
+    data = finetune_data(task, tmp_path / "data")
+    out = tmp_path / "run"
+    assert main(finetune_argv(task, data, model, out, 40, "--eval.metric", metric, "--eval.interval", "39")) == 2
+    err = capsys.readouterr().err
+    assert f"config key 'eval.metric': {metric!r} is not one of this task's metrics {known}" in err
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("step-*"))
+
+
+def test_pretraining_refuses_an_nsp_metric_without_nsp(heldout_store: Path, tmp_path: Path, capsys) -> None:
+    from bertrain.cli import main
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(_pretrain_config(heldout_store, tmp_path / "run", eval={"metric": "nsp_acc"},
+                                               sample={"next_sentence": False})))
+    assert main(["pretrain", "--config", str(cfg)]) == 2
+    assert "'nsp_acc' is not one of this task's metrics (mlm_acc, mlm_loss)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_finetune_stops_where_the_history_says_and_ends_with_the_best(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "model", dropout=0.1)
     data = finetune_data("glue", tmp_path / "data")

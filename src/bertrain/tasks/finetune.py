@@ -27,7 +27,7 @@ from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.evaluate import distributed_forward
 from bertrain.tasks.glue import (build_features as glue_features, get_task, has_split, read_split,
                                  write_dev_predictions, write_submission)
-from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics
+from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics, glue_metric_names
 from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, apply_null_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
                                   write_prediction_files)
@@ -207,12 +207,15 @@ class FeatureTask:
     loss_groups = ("task",)
 
     def __init__(self, name: str, kind: str, init: str, feats: dict[str, np.ndarray], seed: int,
-                 num_labels: int = 2, labels: tuple[str, ...] | None = None, dev: DevEval | None = None) -> None:
+                 num_labels: int = 2, labels: tuple[str, ...] | None = None, dev: DevEval | None = None,
+                 metric_names: tuple[str, ...] | None = None) -> None:
         self.name, self.kind, self.init, self.seed, self.num_labels = name, kind, init, seed, num_labels
         self.labels = labels
         self.arrays = {k: feats[k] for k in (QA_KEYS if kind == "qa" else CLS_KEYS)}
         self.dev = dev
         self.can_evaluate = dev is not None
+        self.metric_names = metric_names
+        """What `dev` returns: eval.metric is checked against it before the first step."""
         self.primary_metric = PRIMARY_METRIC.get(name, "accuracy")
 
     def evaluate(self, model: nn.Module, dist: DistInfo, precision: Precision) -> dict[str, float]:
@@ -354,11 +357,18 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
 
                 return on_rank0("score the dev set", score)
 
+            # The official script's keys for this dev set (v2.0: HasAns_/NoAns_ only when it has such questions)
+            dummy = {ex.qid: "" for ex in dev_examples}
+            metric_names = tuple(k for k, v in evaluate_squad(
+                dev_json, dummy, dict.fromkeys(dummy, 0.0) if v2 else None, version="2.0" if v2 else "1.1").items()
+                if isinstance(v, (int, float)))
+
         if cfg.do_train:
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
             examples, feats = features(train_path, True)
-            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed, dev=dev), resume,
-                                         allow_config_change, on_eval)
+            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed, dev=dev,
+                                                     metric_names=metric_names if dev else None),
+                                         resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
             model = run.model
@@ -448,7 +458,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 dev = functools.partial(glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
                                         task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
-                                                     task.labels, dev), resume, allow_config_change, on_eval)
+                                                     task.labels, dev, glue_metric_names(task.name)),
+                                         resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
             model = run.model

@@ -331,6 +331,18 @@ def pearson_and_spearman(preds: Sequence[float], labels: Sequence[float]) -> dic
     return {"pearson": pearson, "spearmanr": spearman, "corr": (pearson + spearman) / 2}
 
 
+def glue_metric_names(task: str) -> tuple[str, ...]:
+    """The keys `glue_compute_metrics(task, ...)` returns, known before any prediction (eval.metric is checked
+    against them before training; tests/test_tasks_metrics.py keeps the two in step)."""
+    if task == "cola":
+        return ("mcc", "accuracy")
+    if task in ("mrpc", "qqp"):
+        return ("accuracy", "f1", "acc_and_f1")
+    if task == "stsb":
+        return ("pearson", "spearmanr", "corr")
+    return ("accuracy",)
+
+
 def glue_compute_metrics(task: str, preds: Sequence, labels: Sequence) -> dict[str, float]:
     """The GLUE metrics of `task` on one evaluation split (for MNLI call it once per split: mnli / mnli-mm)."""
     from sklearn.metrics import matthews_corrcoef

@@ -203,6 +203,11 @@ class PretrainingTask:
             if not self.can_evaluate:
                 log.warning("no held-out evaluation: %s", status.reason)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """What `evaluate` returns (no NSP figures without NSP pairs): eval.metric is checked before the first step."""
+        return ("mlm_loss", "mlm_acc") + (("nsp_loss", "nsp_acc") if self.cfg.sample.next_sentence else ())
+
     def heldout(self) -> HeldoutEvalSet:
         """The fixed evaluation set, built on first use (the same on every rank: a pure function of the store)."""
         if self._heldout is None:

@@ -19,6 +19,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -68,8 +69,7 @@ class EvalHistory:
     def update(self, step: int, epoch: int, metrics: dict[str, float], metric: str, cfg: EvalConfig) -> bool:
         """Record one evaluation; returns whether it is a new best (stop_reason is set when the run should stop)."""
         if metric not in metrics:
-            raise ValueError(f"config key 'eval.metric': {metric!r} is not one of this task's metrics "
-                             f"({', '.join(sorted(metrics))})")
+            raise ValueError(metric_error(metric, metrics))
         value = float(metrics[metric])
         sign = 1.0 if maximises(metric) else -1.0
         improved = math.isfinite(value) and (self.best_value is None or
@@ -88,6 +88,10 @@ class EvalHistory:
         return improved
 
 
+def metric_error(metric: str, known: Iterable[str]) -> str:
+    return f"config key 'eval.metric': {metric!r} is not one of this task's metrics ({', '.join(sorted(known))})"
+
+
 class Evaluator:
     """The evaluations of one `Trainer.fit` (see the module docstring)."""
 
@@ -97,6 +101,9 @@ class Evaluator:
         self.cfg, self.task, self.dist, self.precision, self.out = cfg, task, dist, precision, out
         self.enabled = cfg.enabled and callable(getattr(task, "evaluate", None)) and getattr(task, "can_evaluate", True)
         self.metric = cfg.metric or getattr(task, "primary_metric", "")
+        known = getattr(task, "metric_names", None)  # a task that declares its metrics has them checked now,
+        if self.enabled and known is not None and self.metric not in known:  # not after the first evaluation
+            raise ValueError(metric_error(self.metric, known))
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.template = template  # fsdp: a meta copy of the plain model, to gather the best weights into
         self.on_eval = on_eval
