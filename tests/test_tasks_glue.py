@@ -78,6 +78,25 @@ def test_bad_rows_name_file_and_line(tmp_path):
         get_task("squad")
 
 
+def test_a_header_with_reordered_columns_is_refused_and_other_names_warn(tmp_path, caplog):
+    """Reordered columns would train on ids or labels as text: refused, naming the column; a header with names
+    GLUE does not use is read by position with a warning."""
+    rows = ["1\t7\t8\tThe cat sat.\tA cat was sitting.", "0\t9\t10\tIt rained.\tThe sun shone."]
+    (tmp_path / "ok.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "\n".join(rows) + "\n")
+    assert [e.text_a for e in read_glue_tsv(tmp_path / "ok.tsv", get_task("mrpc"), TASKS["mrpc"].train)] == [
+        "The cat sat.", "It rained."]
+    moved = ["\t".join(r.split("\t")[i] for i in (0, 3, 4, 1, 2)) for r in rows]
+    (tmp_path / "moved.tsv").write_text("Quality\t#1 String\t#2 String\t#1 ID\t#2 ID\n" + "\n".join(moved) + "\n")
+    with pytest.raises(ValueError, match=r"moved.tsv:1: the header has '#1 string' in column 2, but mrpc reads its "
+                                         r"text_a from column 4 \('#1 ID'\)"):
+        read_glue_tsv(tmp_path / "moved.tsv", get_task("mrpc"), TASKS["mrpc"].train)
+    (tmp_path / "named.tsv").write_text("y\ta\tb\tfirst\tsecond\n" + "\n".join(rows) + "\n")
+    with caplog.at_level("WARNING"):
+        assert len(read_glue_tsv(tmp_path / "named.tsv", get_task("mrpc"), TASKS["mrpc"].train)) == 2
+    assert "named.tsv: the header does not name GLUE's mrpc columns ('#1 string', '#2 string', 'quality')" in \
+        caplog.text
+
+
 def test_features_and_submission(tmp_path):
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()

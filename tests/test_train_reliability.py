@@ -210,6 +210,24 @@ def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
     assert json.loads((out / "final" / "task.json").read_text())["kind"] == "classification"
 
 
+def test_a_bad_test_file_is_refused_before_training(tmp_path, capsys):
+    from helpers import save_tiny_model as _tiny_model
+
+    model = _tiny_model(tmp_path / "model")
+    data = write_rte_like(tmp_path / "RTE", n_dev=10)
+    with open(data / "test.tsv", "a") as f:
+        f.write("99\tonly one field\n")
+    out = tmp_path / "ft"
+    argv = ["finetune", "glue", "--task", "rte", "--data-dir", str(data), "--init", str(model), "--output", str(out),
+            "--data.max_seq_length", "32", "--train.steps", "2", *TINY]
+    assert main(argv) == 2
+    assert f"{data / 'test.tsv'}:9: 2 tab-separated fields" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("step-*"))
+    (data / "test.tsv").write_text("\n".join((data / "test.tsv").read_text().splitlines()[:-1]) + "\n")
+    assert main(argv) == 0 and (out / "RTE.tsv").is_file()  # fixed: the same command runs (nothing was written)
+    capsys.readouterr()
+
+
 def test_stsb_finetune_exports_a_regression_model_that_predict_scores(tmp_path, capsys):
     from helpers import save_tiny_model as _tiny_model
 

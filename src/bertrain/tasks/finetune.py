@@ -445,8 +445,17 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
         results: dict[str, Any] = {"task": task.name, "init": cfg.init, "max_seq_length": d.max_seq_length}
+        # Every split is read (and checked) before any training: a bad dev or test file is found in seconds.
+        train_split = read_split(d.data_dir, task, "train") if cfg.do_train else []
+        dev_splits = read_split(d.data_dir, task, "dev") if cfg.do_eval else []
+        test_splits = None
+        if d.predict_test:
+            if has_split(d.data_dir, task, "test"):  # TSV, the Hub's Parquet or a datasets folder
+                test_splits = read_split(d.data_dir, task, "test")
+            else:
+                log.info("no test file in %s: skipping test predictions", d.data_dir)
         if cfg.do_train:
-            (_, examples), = read_split(d.data_dir, task, "train")
+            (_, examples), = train_split
             n_all = len(examples)
             if d.max_train_examples and d.max_train_examples < n_all:
                 keep = np.sort(np.random.default_rng(cfg.seed).permutation(n_all)[: d.max_train_examples])
@@ -454,7 +463,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             feats = glue_features(examples, task, tok, d.max_seq_length)
             dev = None
             if cfg.do_eval:  # the first dev split (MNLI: matched) is the one selection looks at
-                (_, dev_examples), *_ = read_split(d.data_dir, task, "dev")
+                (_, dev_examples), *_ = dev_splits
                 dev = functools.partial(glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
                                         task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
@@ -473,7 +482,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             return feats, _glue_predictions(model, feats, task, cfg, dist, Precision(cfg.precision, dist.device))
 
         if cfg.do_eval:
-            for split_name, examples in read_split(d.data_dir, task, "dev"):
+            for split_name, examples in dev_splits:
                 feats, preds = predict(examples)
                 metrics = glue_compute_metrics(task.name, preds.tolist(), feats["labels"].tolist())
                 results[split_name] = {**metrics, "examples": len(examples)}
@@ -484,15 +493,12 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                     counts = np.bincount(feats["labels"], minlength=task.num_labels)
                     results[split_name]["majority_baseline_accuracy"] = float(counts.max() / counts.sum())
                 log.info("%s %s: %s", task.name, split_name, results[split_name])
-        if d.predict_test:
-            if has_split(d.data_dir, task, "test"):  # TSV, the Hub's Parquet or a datasets folder
-                for (split_name, examples), sub in zip(read_split(d.data_dir, task, "test"), task.submission):
-                    _, preds = predict(examples)
-                    on_rank0("write the test submission",
-                             functools.partial(write_submission, out_dir / sub, task, examples, preds))
-                results["test_predictions"] = list(task.submission)
-            else:
-                log.info("no test file in %s: skipping test predictions", d.data_dir)
+        if test_splits is not None:
+            for (split_name, examples), sub in zip(test_splits, task.submission):
+                _, preds = predict(examples)
+                on_rank0("write the test submission",
+                         functools.partial(write_submission, out_dir / sub, task, examples, preds))
+            results["test_predictions"] = list(task.submission)
 
         def finish() -> None:
             atomic_write_json(out_dir / "eval_results.json", results)

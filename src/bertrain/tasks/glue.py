@@ -98,6 +98,48 @@ TASKS: dict[str, GlueTask] = {
                      submission=("WNLI.tsv",), folder="WNLI"),
 }
 
+# The header names of GLUE's TSV files for the columns each task reads (text_a, text_b, label, index), as the
+# GLUE distribution writes them; `check_header` compares a file's header line with them.
+HEADER_NAMES: dict[str, tuple[str, str | None, str | None, str]] = {
+    "cola": ("sentence", None, None, "index"),  # train/dev have no header line; the test file has one
+    "sst2": ("sentence", None, "label", "index"),
+    "mrpc": ("#1 string", "#2 string", "quality", "index"),
+    "stsb": ("sentence1", "sentence2", "score", "index"),
+    "qqp": ("question1", "question2", "is_duplicate", "id"),
+    "mnli": ("sentence1", "sentence2", "gold_label", "index"),
+    "qnli": ("question", "sentence", "label", "index"),
+    "rte": ("sentence1", "sentence2", "label", "index"),
+    "wnli": ("sentence1", "sentence2", "label", "index"),
+}
+
+
+def check_header(header: list[str], task: GlueTask, layout: Layout, path: Path) -> None:
+    """Refuse a header that names a column this task reads at another position (columns reordered: the texts or
+    the labels would be read from the wrong fields, silently); a header with other names is read by position,
+    with one warning."""
+    names = HEADER_NAMES.get(task.name)
+    if names is None:
+        return  # a task registered beside GLUE's: no known header
+    seen = [h.strip().lower() for h in header]
+    unnamed = []
+    for field, col, name in zip(("text_a", "text_b", "label", "index"),
+                                (layout.text_a, layout.text_b, layout.label, layout.index), names):
+        if col is None or name is None:
+            continue
+        at = col if col >= 0 else len(seen) + col
+        if 0 <= at < len(seen) and seen[at] == name:
+            continue
+        if name in seen:
+            found = header[at].strip() if 0 <= at < len(header) else "absent"
+            raise ValueError(f"{path}:1: the header has {name!r} in column {seen.index(name) + 1}, but {task.name} "
+                             f"reads its {field} from column {at + 1} ({found!r}), "
+                             "as GLUE's files lay them out: put the columns in GLUE's order")
+        unnamed.append(name)
+    if unnamed:
+        log.warning("%s: the header does not name GLUE's %s columns (%s); reading them by position", path,
+                    task.name, ", ".join(repr(n) for n in unnamed))
+
+
 def get_task(name: str) -> GlueTask:
     key = name.lower().replace("-", "").replace("_", "")
     if key not in TASKS:
@@ -128,6 +170,7 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
         with open(path, encoding="utf-8-sig", newline="") as f:
             for lineno, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
                 if lineno == 1 and layout.header:
+                    check_header(row, task, layout, path)
                     continue
                 if not row or row == [""]:
                     continue  # blank line (e.g. a trailing newline pair)
