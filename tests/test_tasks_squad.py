@@ -247,3 +247,30 @@ def test_postprocess_null_score_is_min_over_windows(tiny_tok):
     start[:, 0] = np.arange(n) + 1.0   # null scores 2, 3, 4, ... -> min is window 0's: 1 + 0
     _, _, odds = postprocess_predictions([ex], feats, start, end, SquadPostprocessConfig(), True)
     assert odds["q1"] == pytest.approx(1.0 - 0.0)
+
+
+def test_the_best_f1_threshold_answers_nothing_when_that_scores_best():
+    """evaluate-v2.0.py leaves best_f1_thresh at 0.0 when no question improves on answering nothing; with null
+    odds (negative where answering is favoured) 0.0 would answer both questions here and score 0, not best_f1."""
+    from bertrain.tasks.metrics import evaluate_squad
+    from bertrain.tasks.squad import at_best_f1_threshold
+
+    context = "Paris is the capital of France."
+    dataset = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": [
+        {"id": "none", "question": "What is the capital of Spain?", "answers": [], "is_impossible": True},
+        {"id": "paris", "question": "What is the capital of France?", "is_impossible": False,
+         "answers": [{"text": "Paris", "answer_start": 0}]}]}]}]}
+    nbest = {"none": [{"text": "France"}, {"text": ""}], "paris": [{"text": "capital"}, {"text": ""}]}
+    null_odds = {"none": -2.0, "paris": -1.0}
+    preds = apply_null_threshold(nbest, null_odds, 0.0)  # the model's own choice: answer both (wrongly)
+    official = evaluate_squad(dataset, preds, null_odds, version="2.0")
+    assert (official["f1"], official["best_f1"], official["best_f1_thresh"]) == (0.0, 50.0, 0.0)
+    threshold, best_preds, scores = at_best_f1_threshold(dataset, nbest, null_odds, official)
+    assert threshold == -3.0 and best_preds == {"none": "", "paris": ""} and scores["f1"] == official["best_f1"]
+    # a real threshold from the sweep is kept as it is: answering 'paris' alone (the lower odds) when it is right
+    nbest["paris"][0]["text"] = "Paris"
+    null_odds = {"none": -1.0, "paris": -2.0}
+    official = evaluate_squad(dataset, apply_null_threshold(nbest, null_odds, 0.0), null_odds, version="2.0")
+    threshold, best_preds, scores = at_best_f1_threshold(dataset, nbest, null_odds, official)
+    assert threshold == official["best_f1_thresh"] == -2.0 and scores["f1"] == official["best_f1"] == 100.0
+    assert best_preds == {"none": "", "paris": "Paris"}

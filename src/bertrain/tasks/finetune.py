@@ -28,7 +28,7 @@ from bertrain.tasks.evaluate import distributed_forward
 from bertrain.tasks.glue import (build_features as glue_features, get_task, has_split, read_split,
                                  write_dev_predictions, write_submission)
 from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics, glue_metric_names
-from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, apply_null_threshold,
+from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, at_best_f1_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
                                   write_prediction_files)
 from bertrain.train import checkpoint as ckpt
@@ -395,10 +395,8 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                 if v2:
                     # The best threshold found on dev (evaluate-v2.0.py's best_f1_thresh) applied to the same
                     # scores: the predictions a tuned run would submit.
-                    thr = official["best_f1_thresh"]
-                    best_preds = apply_null_threshold(nbest, null_odds, thr)
+                    thr, best_preds, at_best = at_best_f1_threshold(dev_json, nbest, null_odds, official)
                     atomic_write_json(out_dir / "predictions_best_f1_thresh.json", best_preds)
-                    at_best = evaluate_squad(dev_json, best_preds, None, version="2.0")
                     results["at_best_f1_thresh"] = {"threshold": thr, "exact": at_best["exact"],
                                                     "f1": at_best["f1"]}
                 atomic_write_json(out_dir / "eval_results.json", results)

@@ -475,6 +475,28 @@ def apply_null_threshold(nbest: dict[str, list[dict[str, Any]]], null_odds: dict
     return out
 
 
+def at_best_f1_threshold(dataset_json: dict[str, Any], nbest: dict[str, list[dict[str, Any]]],
+                         null_odds: dict[str, float], official: dict[str, Any]) -> tuple[float, dict[str, str],
+                                                                                         dict[str, Any]]:
+    """(threshold, predictions, their official v2.0 numbers) for the best-F1 threshold evaluate-v2.0.py found on
+    `official`'s predictions. The script starts its sweep at threshold 0.0 meaning "answer nothing", which holds
+    for probabilities in [0, 1]; null odds are unbounded, so when answering nothing scored best (no question
+    improved on it) 0.0 would answer every question with negative odds. That case gets a threshold below every
+    null odds instead. The official numbers themselves (best_f1, best_f1_thresh) are left as the script gives them."""
+    from bertrain.tasks.metrics import evaluate_squad
+
+    threshold = float(official["best_f1_thresh"])
+    preds = apply_null_threshold(nbest, null_odds, threshold)
+    scores = evaluate_squad(dataset_json, preds, None, version="2.0")
+    if scores["f1"] < official["best_f1"] and null_odds:
+        none = min(null_odds.values()) - 1.0
+        none_preds = apply_null_threshold(nbest, null_odds, none)
+        none_scores = evaluate_squad(dataset_json, none_preds, None, version="2.0")
+        if none_scores["f1"] > scores["f1"]:
+            threshold, preds, scores = none, none_preds, none_scores
+    return threshold, preds, scores
+
+
 def write_prediction_files(output_dir: str | os.PathLike, predictions: dict[str, str],
                            nbest: dict[str, list[dict[str, Any]]], null_odds: dict[str, float] | None) -> None:
     """predictions.json, nbest_predictions.json and (v2.0) null_odds.json, each written atomically."""
