@@ -274,3 +274,34 @@ def test_the_best_f1_threshold_answers_nothing_when_that_scores_best():
     threshold, best_preds, scores = at_best_f1_threshold(dataset, nbest, null_odds, official)
     assert threshold == official["best_f1_thresh"] == -2.0 and scores["f1"] == official["best_f1"] == 100.0
     assert best_preds == {"none": "", "paris": "Paris"}
+
+
+def _google_is_max_context(spans, cur, position):
+    """google-research/bert run_squad.py `_check_is_max_context`, as written there (the reference)."""
+    best_score, best_index = None, None
+    for i, (start, length) in enumerate(spans):
+        end = start + length - 1
+        if position < start or position > end:
+            continue
+        score = min(position - start, end - position) + 0.01 * length
+        if best_score is None or score > best_score:
+            best_score, best_index = score, i
+    return cur == best_index
+
+
+@pytest.mark.parametrize("n_tokens, max_doc, stride", [(1, 5, 2), (37, 10, 3), (200, 61, 32), (500, 128, 128),
+                                                       (301, 100, 7)])
+def test_max_context_window_is_googles_rule(n_tokens, max_doc, stride):
+    from bertrain.tasks.squad import max_context_window
+
+    spans, start = [], 0
+    while True:  # the windows build_features makes
+        length = min(n_tokens - start, max_doc)
+        spans.append((start, length))
+        if start + length == n_tokens:
+            break
+        start += min(length, stride)
+    owner = max_context_window(spans, n_tokens)
+    for si, (s, length) in enumerate(spans):
+        for p in range(s, s + length):
+            assert (owner[p] == si) == _google_is_max_context(spans, si, p)

@@ -242,20 +242,22 @@ class SquadFeatureConfig:
 SquadFeatures = dict[str, np.ndarray]
 
 
-def _is_max_context(spans: list[tuple[int, int]], cur: int, position: int) -> bool:
-    """Google's `_check_is_max_context`: is `cur` the window where token `position` has the most context?
+def max_context_window(spans: list[tuple[int, int]], n_tokens: int) -> np.ndarray:
+    """For each context token, the window where it has the most context (Google's `_check_is_max_context`):
+    score = min(left context, right context) + 0.01 * window length, ties to the earlier window.
 
-    Score = min(left context, right context) + 0.01 * window length; ties go to the earlier window.
-    """
-    best_score, best_index = None, None
+    The same rule as asking per token over every window, but each window scores only its own tokens: work in the
+    total window length (linear in the context) rather than tokens x windows, which made a long context (100k
+    characters, thousands of windows) take minutes. tests/test_tasks_squad.py checks it against the per-token form."""
+    best = np.full(n_tokens, -np.inf)
+    owner = np.full(n_tokens, -1, dtype=np.int64)
     for i, (start, length) in enumerate(spans):
-        end = start + length - 1
-        if position < start or position > end:
-            continue
-        score = min(position - start, end - position) + 0.01 * length
-        if best_score is None or score > best_score:
-            best_score, best_index = score, i
-    return cur == best_index
+        p = np.arange(start, start + length)
+        score = np.minimum(p - start, start + length - 1 - p) + 0.01 * length
+        better = score > best[start:start + length]
+        best[start:start + length][better] = score[better]
+        owner[start:start + length][better] = i
+    return owner
 
 
 def answer_token_span(offsets: list[tuple[int, int]], char_start: int, char_end: int) -> tuple[int, int]:
@@ -304,6 +306,7 @@ def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadF
                 break
             start += min(length, cfg.doc_stride)
 
+        owner = max_context_window(spans, len(c_ids))
         for si, (start, length) in enumerate(spans):
             ids = [tok.cls_id] + q_ids + [tok.sep_id] + c_ids[start:start + length] + [tok.sep_id]
             n_q = len(q_ids) + 2
@@ -311,8 +314,7 @@ def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadF
             offs = np.full((L, 2), -1, dtype=np.int32)
             offs[n_q:n_q + length] = np.asarray(c_off[start:start + length], dtype=np.int32).reshape(length, 2)
             maxc = np.zeros(L, dtype=bool)
-            for j in range(length):
-                maxc[n_q + j] = _is_max_context(spans, si, start + j)
+            maxc[n_q:n_q + length] = owner[start:start + length] == si
             sp = ep = 0
             if is_training and not ex.is_impossible and start <= tok_start and tok_end <= start + length - 1:
                 sp, ep = tok_start - start + n_q, tok_end - start + n_q
