@@ -239,3 +239,15 @@ def test_finetune_stops_where_the_history_says_and_ends_with_the_best(tmp_path: 
         timeout=600)
     assert r.returncode == 0 and "the run stopped at step 9" in r.stderr, r.stderr[-3000:]
     assert json.loads((out / "eval_results.json").read_text())["selection"] == sel
+
+
+def test_a_stopped_finetune_says_which_evaluations_ran() -> None:
+    from bertrain.tasks.finetune import stopped_message
+
+    out = Path("/runs/x")
+    none = stopped_message(out, 5, {})
+    assert none.startswith("stopped by a signal at step 5 after saving /runs/x/step-5 (no dev evaluation yet;")
+    two = stopped_message(out, 25, {"metric": "accuracy", "best_step": 12, "best_value": 0.6875,
+                                    "history": [{"step": 12}, {"step": 24}]})
+    assert "(2 dev evaluations so far, best accuracy 0.6875 at step 12; the final dev evaluation" in two
+    assert two.endswith("--resume auto")

@@ -262,10 +262,19 @@ def _train_results(run: RunResult) -> dict[str, Any]:
     return out
 
 
+def stopped_message(out_dir: Path, step: int, evaluation: dict[str, Any]) -> str:
+    """What a fine-tuning run stopped by a signal says: where it saved, the dev evaluations so far, what is left."""
+    evals = evaluation.get("history") or []
+    so_far = (f"{len(evals)} dev evaluation{'s' if len(evals) != 1 else ''} so far, best {evaluation['metric']} "
+              f"{evaluation['best_value']:.4g} at step {evaluation['best_step']}"
+              if evals and evaluation.get("best_step") is not None else "no dev evaluation yet")
+    return (f"stopped by a signal at step {step} after saving {out_dir}/step-{step} ({so_far}; the final dev "
+            "evaluation and the export are still to come); continue with the same command and --resume auto")
+
+
 def _stopped(out_dir: Path, run: RunResult) -> RunStopped:
     step = run.state.step
-    return RunStopped(f"stopped by a signal at step {step} after saving {out_dir}/step-{step} (no evaluation "
-                      "yet); continue with the same command and --resume auto", checkpoint=out_dir / f"step-{step}")
+    return RunStopped(stopped_message(out_dir, step, run.evaluation), checkpoint=out_dir / f"step-{step}")
 
 
 def _start(cfg: FinetuneConfig, dist: DistInfo) -> Path:
