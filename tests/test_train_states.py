@@ -43,7 +43,7 @@ def test_save_and_restore_walk_the_same_entries(caplog: pytest.LogCaptureFixture
     state = TrainState(step=5, epoch=1, samples=80)
     states = training_states(model, optimizer, Box("sched"), Box("prec"), Box("loader"), state, 3, dist,
                              Box({"best_step": 4}), Box({"elapsed_s": 3.0}),
-                             Box({"mlflow": "abc"}))
+                             Box({"mlflow": "abc"}), Box({"steps": 2}))
     saved = saved_entries(states)
     # every registered entry is saved, under its own name, except the tensors the checkpoint format stores
     assert set(saved) == set(states) - set(TENSOR_STATES)
@@ -51,12 +51,13 @@ def test_save_and_restore_walk_the_same_entries(caplog: pytest.LogCaptureFixture
 
     fresh_state = TrainState()
     fresh = training_states(model, optimizer, Box(None), Box(None), Box(None), fresh_state, 3, dist, Box(None),
-                            Box(None), Box(None))
+                            Box(None), Box(None), Box(None))
     fresh["extra"] = Box("built")  # an entry added after the checkpoint was written
     with caplog.at_level("INFO"):
         load_entries(fresh, saved)
     assert fresh_state == state and fresh["scheduler"].value == "sched" and fresh["loader"].value == "loader"
     assert fresh["eval"].value == {"best_step": 4} and fresh["trackers"].value == {"mlflow": "abc"}
+    assert fresh["meter"].value == {"steps": 2}
     assert fresh["extra"].value == "built" and "no 'extra' state" in caplog.text
     load_entries(fresh, {**saved, "scheduler": "other"}, skip=("scheduler",))
     assert fresh["scheduler"].value == "sched"
@@ -108,3 +109,27 @@ def test_a_checkpoint_written_before_the_registry_resumes_bitwise(tmp_path: Path
     assert again["scheduler"] == end["scheduler"] and again["precision"] == end["precision"]
     for pa, pb in zip(end["optimizer"]["state"].values(), again["optimizer"]["state"].values()):
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_a_resume_between_two_log_lines_logs_the_same_interval_numbers(tmp_path: Path) -> None:
+    """Log every 3 steps, save every 2: a resume from step 4 carries step 4's sums into the record of step 6, so
+    every logged loss, accuracy and grad norm equals the straight run's."""
+    def config(out: Path) -> PretrainConfig:
+        cfg = _config(out)
+        cfg.train.log_interval, cfg.checkpoint.save_interval = 3, 2
+        return cfg
+
+    learned = ("loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "lr")
+
+    def records(out: Path) -> dict[int, dict]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: {k: r[k] for k in learned} for r in rows if "event" not in r}
+
+    straight = tmp_path / "straight"
+    run_pretraining(config(straight))
+    cut = tmp_path / "cut"
+    shutil.copytree(straight, cut)
+    for gone in ("step-6", "step-8", "final"):
+        shutil.rmtree(cut / gone)
+    assert run_pretraining(config(cut), resume="auto").run.start_step == 4
+    assert sorted(records(straight)) == [3, 6, 8] and records(cut) == records(straight)

@@ -3,7 +3,7 @@
 
 `Trainer.fit` builds the map with `training_states`: model, optimizer, scheduler, precision (the fp16 loss scaler),
 loader (the data position), rng (every rank's generators), threads (the CPU thread count), state (step, epoch,
-samples), clock (training time, for a time budget), trackers (the tracker run ids: a resume continues them), eval (the evaluation history, best step and early-stopping count: `train/evaluation.EvalHistory`). A new piece of run state is one more entry here — nothing in the save or the restore changes.
+samples), clock (training time, for a time budget), trackers (the tracker run ids: a resume continues them), eval (the evaluation history, best step and early-stopping count: `train/evaluation.EvalHistory`), meter (the log interval's partial sums: `train/trainer.Meter`). A new piece of run state is one more entry here — nothing in the save or the restore changes.
 
 Where each entry lives in a checkpoint folder (`train/checkpoint.py`): the two entries holding big tensors,
 `TENSOR_STATES`, are stored by the checkpoint format (the model as an HF folder and the optimizer in
@@ -120,11 +120,13 @@ class Clock:
 
 def training_states(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, precision: Any,
                     loader: Any, state: TrainState, seed: int, dist: DistInfo,
-                    eval_history: Stateful, clock: Stateful, tracker_ids: Stateful) -> dict[str, Stateful]:
+                    eval_history: Stateful, clock: Stateful, tracker_ids: Stateful,
+                    meter: Stateful) -> dict[str, Stateful]:
     """The registry of one run (see the module docstring). Restored in this order: `state` before `rng`."""
     return {"state": state, "model": model, "optimizer": optimizer, "scheduler": scheduler,
             "precision": precision, "loader": loader, "rng": RngStates(seed, dist, state),
-            "threads": ThreadCount(dist.device), "eval": eval_history, "clock": clock, "trackers": tracker_ids}
+            "threads": ThreadCount(dist.device), "eval": eval_history, "clock": clock, "trackers": tracker_ids,
+            "meter": meter}
 
 
 def saved_entries(states: dict[str, Stateful]) -> dict[str, Any]:

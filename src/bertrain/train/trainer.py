@@ -177,7 +177,7 @@ class Trainer:
         evaluator = Evaluator(cfg.eval, task, dist, precision, self.out, total_steps, per_epoch, template, on_eval)
         tracker_ids = TrackerIds()
         states = training_states(model, optimizer, scheduler, precision, loader, state, cfg.seed, dist,
-                                 evaluator.history, Clock(), tracker_ids)
+                                 evaluator.history, Clock(), tracker_ids, Meter(task, dist))
         start = find_resume_checkpoint(resume, self.out, dist)
         if start is not None:
             changes = restore(start, states, dist, cfg, plan, allow_config_change)
@@ -270,7 +270,8 @@ class _Run:
         cfg, dist, state, plan = self.cfg, self.dist, self.state, self.plan
         clock, budget, history = self.states["clock"], cfg.train.max_time_s, self.evaluator.history
         params = [p for p in self.model.parameters() if p.requires_grad]
-        meter = Meter(self.task, dist.device)
+        meter = self.states["meter"]
+        meter.restart_clock()
         batches = iter(self.loader)
         empty_epochs = 0  # epochs in a row that ended before a single step: data too small for one global batch
         steps_this_epoch = 0
@@ -480,12 +481,44 @@ def scaled_lr(cfg: TrainerConfig, plan: BatchPlan) -> float:
 # ----------------------------------------------------------------------------------------------- metrics
 
 class Meter:
-    """Accumulates per-step numbers on the device; one all-reduce and one host sync per log interval."""
+    """Accumulates per-step numbers on the device; one all-reduce and one host sync per log interval.
 
-    def __init__(self, task: Task, device: torch.device) -> None:
-        self.task, self.device = task, device
+    A registry entry (`train/states.py`): a checkpoint between two log lines holds the interval's partial sums, so
+    the first record after a resume averages the same steps as a straight run's (its loss, accuracies and grad norm
+    the same numbers). The throughput figures (seq/s, tokens/s, data wait) count from the resume: they measure
+    this process."""
+
+    def __init__(self, task: Task, dist: DistInfo) -> None:
+        self.task, self.dist, self.device = task, dist, dist.device
         self.keys: list[str] | None = None  # the task's sum names, fixed by the first micro-batch
         self.reset()
+
+    def restart_clock(self) -> None:
+        self.tokens, self.seqs, self.data_time = 0, 0, 0.0
+        self.t0 = time.perf_counter()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every rank's partial sums (a collective: every rank calls it; each rank's own, as the flush adds them)."""
+        return gather_objects({
+            "keys": self.keys, "losses": self.losses.tolist(),
+            "sums": None if self.sums is None else self.sums.tolist(), "grad_norm": float(self.grad_norm),
+            "steps": self.steps, "stepped": self.stepped})
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) == self.dist.world_size:
+            own = states[self.dist.rank]
+        else:  # another world size: rank 0 carries the sums of all (the flush adds the ranks' sums anyway)
+            own = dict(states[0])
+            for key in ("losses", "sums"):
+                if own[key] is not None:
+                    own[key] = [sum(v) for v in zip(*(s[key] for s in states))] if self.dist.rank == 0 else \
+                        [0.0] * len(own[key])
+        self.keys = own["keys"]
+        self.losses = torch.tensor(own["losses"], dtype=torch.float64, device=self.device)
+        self.sums = None if own["sums"] is None else torch.tensor(own["sums"], dtype=torch.float64,
+                                                                  device=self.device)
+        self.grad_norm = torch.tensor(own["grad_norm"], dtype=torch.float64, device=self.device)
+        self.steps, self.stepped = own["steps"], own["stepped"]
 
     def reset(self) -> None:
         groups = len(self.task.loss_groups)
