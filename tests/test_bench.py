@@ -21,6 +21,7 @@ def test_bench_tiny_compare_hf_json(capsys):
     for side in ("bertrain", "hf"):
         for key in ("seq_per_s", "tokens_per_s", "tflops", "mfu"):
             assert p[side][key] > 0, (side, key)
+        assert abs(p[side]["mfu"] - p[side]["tflops"] / r["matmul_peak_tflops"]) < 1e-12  # the peak it reports
         assert p[side]["peak_mem_mb"] is not None
     assert "FLOPs" in r["flop_formula"] and p["real_tokens"] < p["padded_tokens"]
     assert p["bertrain_options"]["unpad"] is True
