@@ -155,6 +155,13 @@ def test_hashes_change_with_what_changes_a_result_and_everything_after_it(tmp_pa
         if first == "vocab":
             expect |= {n for n in names if "random" in n} | {"prepare"}
         assert redone == expect, (override, sorted(redone ^ expect))
+    # keys a resume may take unchanged (the steps are the same) but that change what a finished stage left behind
+    for override, first in (("phase1.train.max_time=4s", "pretrain-phase1"),
+                            ("phase1.eval.interval=7", "pretrain-phase1"),
+                            ("finetune[0].config.eval.interval=3", "finetune-pydoc-topics-pretrained-s1"),
+                            ("finetune[0].config.do_eval=false", "finetune-pydoc-topics-pretrained-s1")):
+        changed = hashes([override], tmp_path)
+        assert changed[first] != base[first] and changed["evaluate"] != base["evaluate"], override
     seeds = hashes(["finetune[0].seeds=[1,2,4]"], tmp_path)
     assert seeds["finetune-pydoc-topics-pretrained-s1"] == base["finetune-pydoc-topics-pretrained-s1"]
     assert seeds["evaluate"] != base["evaluate"]

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -294,12 +295,24 @@ def test_fsdp_equals_ddp_step_by_step(runs: dict[str, Path], tmp_path: Path,
     assert not (step / "model.safetensors").exists() and ckpt.verify_checkpoint(step) is None
     assert "dcp/__3_0.distcp" in json.loads((step / "manifest.json").read_text())["files"]
     from bertrain.cli import main
-    for source in (step, runs["fsdp4-adamw"].parent / "no-final"):  # a sharded step, a run folder of them
+    # a sharded step is self-contained (config.json, tokenizer): `export` assembles its shards into an HF folder,
+    # from the step or from a run folder whose newest step it is; the last step's weights are the final model's
+    assert (step / "config.json").is_file()
+    for source in (step, runs["fsdp4-adamw"].parent / "no-final"):
         if source.name == "no-final":
             source.mkdir()
             (source / "step-20").symlink_to(step, target_is_directory=True)
-        assert main(["export", str(source), str(tmp_path / source.name)]) == 2  # not "no config.json"
-        assert "sharded checkpoints (parallelism.strategy: fsdp)" in capsys.readouterr().err
+        assert main(["export", str(source), str(tmp_path / source.name)]) == 0
+        assert f"exported {step if source == step else source / 'step-20'} ->" in capsys.readouterr().out
+        exported = load_file(str(tmp_path / source.name / "model.safetensors"))
+        whole = final(runs["fsdp4-adamw"])
+        assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
+    shutil.rmtree(tmp_path / step.name, ignore_errors=True)
+    older = tmp_path / "older"  # a sharded checkpoint of an older bertrain (no config.json): refused, saying why
+    shutil.copytree(step, older)
+    (older / "config.json").unlink()
+    assert main(["export", str(older), str(tmp_path / "older-out")]) == 2
+    assert "sharded checkpoint from an older bertrain, without config.json" in capsys.readouterr().err
     transformers = pytest.importorskip("transformers")
     hf = transformers.BertForPreTraining.from_pretrained(runs["fsdp-lamb"] / "final")
     ours = final(runs["fsdp-lamb"])

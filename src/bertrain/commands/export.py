@@ -38,25 +38,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A folder with config.json as is; a run folder -> its latest complete step-N checkpoint."""
-    if (path / "config.json").is_file() or not path.is_dir():
+    """A model or checkpoint folder as is; a run folder -> its newest complete step-N checkpoint, of either kind
+    (HF weights, or DCP shards after FSDP: a run may hold both when it changed strategy on resume)."""
+    if (path / "config.json").is_file() or (path / "dcp").is_dir() or not path.is_dir():
         return path
     steps = [p for p in path.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / "COMPLETE").exists()
-             and (p / "config.json").is_file()]
+             and ((p / "config.json").is_file() or (p / "dcp").is_dir())]
     if not steps:
-        sharded = [p for p in path.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / "dcp").is_dir()]
-        if sharded or (path / "dcp").is_dir():
-            raise UserError(f"{path} holds sharded checkpoints (parallelism.strategy: fsdp): their weights are "
-                            "DCP shards for resuming, not an HF folder. Export the run's final/ folder (written at "
-                            "the end of the run), or continue the run from the step with --resume and export its "
-                            "final/")
         return path  # from_pretrained names what is missing
     return max(steps, key=lambda p: int(p.name.split("-")[1]))
 
 
+def load_model(src: Path):
+    """The model to export: an HF folder through from_pretrained; a sharded checkpoint assembled from its shards."""
+    from bertrain.model.hf import model_class_for
+    from bertrain.train.dcp import is_sharded_checkpoint, load_sharded_model
+
+    if is_sharded_checkpoint(src):
+        try:
+            return load_sharded_model(src)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    return model_class_for(src).from_pretrained(src)
+
+
 def run(args: argparse.Namespace) -> int:
     from bertrain.model.card import check_language, check_license  # torch: only when run (--help stays instant)
-    from bertrain.model.hf import model_class_for, resolve_model_dir
+    from bertrain.model.hf import resolve_model_dir
 
     from bertrain.utils.rundir import OutputLock
 
@@ -75,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     with OutputLock(out, "export"):
         check_out_dir(out, args.overwrite)
         src = resolve_checkpoint(resolve_model_dir(args.checkpoint_dir))
-        cls = model_class_for(src)
-        model = cls.from_pretrained(src)
+        model = load_model(src)
+        cls = type(model)
         if args.format == "onnx":
             return _export_onnx(model, src, out, args)
         card = model_card(model, src, out, license, language, source=args.checkpoint_dir)

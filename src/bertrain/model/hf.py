@@ -271,6 +271,9 @@ def weights_files(path: str | os.PathLike) -> list[Path]:
     if list(path.glob("*.ckpt.index")) or list(path.glob("*.ckpt*.index")):
         raise ValueError(f"{path}: holds a TensorFlow checkpoint (*.ckpt), which bertrain does not read; convert it "
                          f"with transformers' convert_bert_original_tf_checkpoint_to_pytorch first")
+    if (path / "dcp").is_dir():  # train/dcp.py's layout
+        raise ValueError(f"{path}: a sharded (FSDP) checkpoint: its weights are DCP shards for resuming; "
+                         f"`bertrain export {path} OUT_DIR` writes them as an HF model folder")
     raise ValueError(f"{path}: no weights found (expected {SAFETENSORS} or {PYTORCH_BIN})")
 
 
@@ -495,12 +498,23 @@ def save_pretrained(model: BertPreTrainedModel, path: str | os.PathLike) -> None
     tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in to_hf_state_dict(model).items()}
     path.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path / SAFETENSORS, save_safetensors(tensors, metadata={"format": "pt"}))
+    save_config_and_tokenizer(model, path)
+
+
+def save_config_and_tokenizer(model: BertPreTrainedModel, path: Path, class_name: str | None = None) -> None:
+    """config.json (last) and the tokenizer files of `model` into `path`: an HF folder's files besides the weights
+    (a sharded checkpoint has them too, its weights being DCP shards). `class_name`: the architecture, when
+    `type(model)` is a wrapper (FSDP2's subclass of the model's class)."""
+    files = dict(getattr(model, "tokenizer_files", {}) or {})
     if "tokenizer_config.json" in files:
         files["tokenizer_config.json"] = fit_model_max_length(files["tokenizer_config.json"],
                                                               model.config.max_position_embeddings)
     for name, data in files.items():
         atomic_write_bytes(path / name, data)
-    atomic_write_json(path / "config.json", hf_config_dict(model))
+    config = hf_config_dict(model)
+    if class_name:
+        config["architectures"] = [class_name]
+    atomic_write_json(path / "config.json", config)
 
 
 # ----------------------------------------------------------------------------------------------- the model API

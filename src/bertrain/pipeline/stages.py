@@ -7,7 +7,7 @@ Each stage owns the folder RUN/NAME. It writes `stage-started.json` (its hash) b
 (hash, output identity, wall time, throughput) last: a folder with `stage.json` is complete.
 
 The hash of a stage is the sha256 of its resolved engine config (minus the keys that cannot change its result:
-logging, checkpoint interval, workers, how the model runs — `train.resume.EXACT_KEYS`; paths inside the run
+logging, checkpoint interval, workers, how the model runs — `train.resume.EXACT_KEYS` but `RESULT_KEYS`; paths inside the run
 folder written as `$RUN`), the identity of its external inputs (the content of corpus files and task data, size
 and time for files over 256 MiB) and the hashes of the stages it depends on. So a change anywhere redoes that
 stage and every stage after it, and nothing else. A stage is
@@ -98,13 +98,22 @@ def input_identity(spec: str) -> str:
     return parts[0] if len(parts) == 1 else "sha256:" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+RESULT_KEYS = ("train.max_time", "eval.enabled", "eval.interval", "eval.each_epoch", "do_eval", "data.predict_test",
+               "data.dev_file", "data.dev_articles", "data.n_best_size", "data.max_answer_length",
+               "data.null_score_diff_threshold")
+"""Keys a resume may take unchanged (`EXACT_KEYS`: the steps taken are the same) that still change what a finished
+stage leaves behind: where a time budget stopped it, which evaluations ran (and so which model eval.final = best
+kept, and the curves of the report), the dev and test results. They count in a stage's hash."""
+
+
 def _settings(cfg: Any, run_dir: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The hashed part of an engine config: flat keys, without those that keep the result exact, with the run
-    folder written as $RUN (moving a run folder redoes nothing)."""
+    """The hashed part of an engine config: flat keys, without those that keep the result exact (EXACT_KEYS but
+    RESULT_KEYS), with the run folder written as $RUN (moving a run folder redoes nothing)."""
     root = str(run_dir)
     out = {}
     for key, value in flatten(to_dict(cfg)).items():
-        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXACT_KEYS + drop):
+        if key not in RESULT_KEYS and \
+                any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXACT_KEYS + drop):
             continue
         if isinstance(value, str) and value.startswith(root):
             value = "$RUN" + value[len(root):]

@@ -24,6 +24,7 @@ Loading (`load_model_and_optimizer`), every combination:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -42,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from bertrain.config import save_config
+from bertrain.model.bert import BertForSequenceClassification, BertPreTrainedModel
+from bertrain.model.hf import save_config_and_tokenizer
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.distributed import DistInfo, broadcast_object, gather_objects, is_distributed
 from bertrain.utils.errors import OutputError
@@ -73,6 +76,8 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
             torch.save({**train_state, "format": FORMAT}, tmp / ckpt.TRAIN_STATE)
             if config is not None:
                 save_config(config, tmp / "config.yaml")
+            if isinstance(model, BertPreTrainedModel):  # config.json + tokenizer: a self-contained folder
+                save_config_and_tokenizer(model, tmp, plain_class(model).__name__)
         except BaseException:  # whatever it is, the other ranks must not wait for a folder that never comes
             broadcast_object(None)
             if tmp is not None:
@@ -151,9 +156,39 @@ def load_model_and_optimizer(path: str | Path, train_state: dict[str, Any], mode
                                  options=full)
 
 
+def plain_class(model: nn.Module) -> type:
+    """The model's own class (FSDP2 makes a subclass of it)."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def load_sharded_model(path: str | Path) -> BertPreTrainedModel:
+    """The model of a sharded checkpoint, whole, in this one process (for `bertrain export`): built from the folder's
+    config.json and tokenizer files, its weights assembled by DCP from every rank's shards."""
+    from bertrain.model.hf import config_from_json_file, model_class_for, read_tokenizer_files
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is a sharded checkpoint from an older bertrain, without config.json: export the "
+                         "run's final/ folder, or continue the run from it with --resume and export its final/")
+    cls = model_class_for(path)
+    config = config_from_json_file(path / "config.json")
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if cls is BertForSequenceClassification:
+        id2label = {int(k): v for k, v in (raw.get("id2label") or {}).items()}
+        model = cls(config, num_labels=len(id2label) or raw.get("num_labels", 2))
+        if id2label:
+            model.id2label = id2label
+    else:
+        model = cls(config)
+    model.tokenizer_files = read_tokenizer_files(path)
+    load_model_and_optimizer(path, {}, model, None, load_optimizer=False)  # type: ignore[arg-type]
+    model.loading_info = {"initialized": [], "missing_keys": [], "unexpected_keys": []}
+    return model.eval()
+
+
 def _full_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """The full state dict of a DDP checkpoint folder, read as its own class reads it."""
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model's class
+    cls = plain_class(model)
     if not hasattr(cls, "from_pretrained"):
         return load_file(str(path / "model.safetensors"))
     loaded = cls.from_pretrained(path)
