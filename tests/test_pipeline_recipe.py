@@ -219,6 +219,22 @@ def test_a_run_folder_of_another_command_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing started
 
 
+def test_a_pipeline_folder_is_a_run_that_other_commands_refuse_and_overwrite_moves_aside(tmp_path, capsys):
+    import json
+    from bertrain.utils.rundir import claim_run_folder, holds_run
+    out = tmp_path / "run"
+    (out / "vocab").mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"run_id": "abc", "command": "run", "started": "x"}))
+    (out / "recipe.yaml").write_text("name: x\n")
+    (out / "vocab" / "stage-started.json").write_text("{}")
+    assert holds_run(out)
+    assert main(["pretrain", "--config", "configs/quickstart.yaml", "--output_dir", str(out)]) == 2
+    assert "holds run abc (`bertrain run`" in capsys.readouterr().err
+    claim_run_folder(out, "run", None, overwrite=True)  # `bertrain run --overwrite`: start over
+    assert [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] and not (out / "recipe.yaml").exists()
+    capsys.readouterr()
+
+
 def test_stages_are_grouped_for_the_trackers_under_the_recipe_unless_it_says_otherwise(tmp_path) -> None:
     from bertrain.pipeline.recipe import finetune_config, load_recipe, pretrain_config
 

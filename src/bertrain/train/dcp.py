@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,9 @@ def load_sharded_model(path: str | Path) -> BertPreTrainedModel:
     else:
         model = cls(config)
     model.tokenizer_files = read_tokenizer_files(path)
-    load_model_and_optimizer(path, {}, model, None, load_optimizer=False)  # type: ignore[arg-type]
+    with warnings.catch_warnings():  # DCP says it loads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_and_optimizer(path, {}, model, None, load_optimizer=False)  # type: ignore[arg-type]
     model.loading_info = {"initialized": [], "missing_keys": [], "unexpected_keys": []}
     return model.eval()
 

@@ -26,7 +26,8 @@ RUN_FILE = "run.json"
 # What marks a folder as holding a run's outputs (a folder with none of these is free to use). `run.json` alone is
 # not one: a run that stopped at a config or input error before writing anything leaves only its record, and the
 # corrected command must be able to start there without --overwrite.
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "final", "eval_results.json", "predictions.json")
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "final", "eval_results.json", "predictions.json",
+               "recipe.yaml")  # the last: a `bertrain run` folder (its stages are folders inside)
 
 
 def lock_path(path: str | os.PathLike) -> Path:
@@ -91,7 +92,7 @@ def holds_run(path: str | os.PathLike) -> bool:
     (`run.json`) does not count."""
     path = Path(path)
     return path.is_dir() and (any((path / name).exists() for name in RUN_OUTPUTS)
-                              or any(path.glob("step-*")))
+                              or any(path.glob("step-*")) or any(path.glob("*/stage-started.json")))
 
 
 def move_aside(path: Path) -> Path:
