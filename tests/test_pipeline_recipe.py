@@ -102,6 +102,8 @@ def base_data() -> dict:
     (lambda d: d["data"]["prepare"].update(masking="sometimes"), [], "recipe key 'data.prepare.masking'"),
     (lambda d: None, ["phase1.train.steps"], "expected KEY=VALUE"),
     (lambda d: None, ["finetune[3].seeds=[1]"], "1 finetune task"),
+    (lambda d: None, ["finetune[0].config.eval.metric=f1"],
+     "recipe key finetune[0].config.eval.metric: 'f1' is not one of this task's metrics (accuracy)"),
 ])
 def test_bad_recipes_are_refused_naming_the_key_before_any_work(tmp_path, capsys, edit, overrides, message):
     data = base_data()
@@ -126,6 +128,20 @@ def test_missing_inputs_refuse_the_run_but_not_the_dry_run(tmp_path, capsys):
     assert f"data.input: {tmp_path / 'nowhere.txt'} (for vocab, prepare)" in capsys.readouterr().out
     assert main(["run", str(path)]) == 2
     assert "missing inputs" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_glue_folder_without_its_dev_split_refuses_the_run_before_any_work(tmp_path, capsys):
+    glue = tmp_path / "MRPC"
+    glue.mkdir()
+    (glue / "train.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tA cat.\tA cat sat.\n")
+    data = base_data()
+    data.update(output_dir=str(tmp_path / "run"))
+    data["finetune"][0] = {"name": "mrpc", "kind": "glue", "seeds": [1],
+                           "config": {"data": {"task": "mrpc", "data_dir": str(glue)}}}
+    path = write(tmp_path, data)
+    assert main(["run", str(path)]) == 2
+    assert f"finetune[0].config.data.data_dir: the dev split of {glue}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

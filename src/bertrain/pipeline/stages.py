@@ -323,14 +323,31 @@ class _TaskContext:
 
     def config(self, init: Path, folder: Path, seed: int, params: dict[str, Any] | None = None,
                params_key: str = "") -> Any:
-        return finetune_config(self.recipe, self.index, init, folder / "out", seed, self.data_dir, params, params_key)
+        cfg = finetune_config(self.recipe, self.index, init, folder / "out", seed, self.data_dir, params, params_key)
+        if cfg.eval.metric:  # refused now, not when the first fine-tuning stage starts after pretraining
+            from bertrain.tasks.glue import get_task
+            from bertrain.tasks.metrics import SQUAD_V1_METRICS, SQUAD_V2_METRICS, glue_metric_names
+            known = (SQUAD_V2_METRICS if cfg.data.version_2_with_negative else SQUAD_V1_METRICS) \
+                if self.task.kind == "squad" else glue_metric_names(get_task(cfg.data.task).name)
+            if cfg.eval.metric not in known:
+                raise UserError(f"recipe key finetune[{self.index}].config.eval.metric: {cfg.eval.metric!r} is not "
+                                f"one of this task's metrics ({', '.join(known)})")
+        return cfg
 
     def inputs(self, cfg: Any) -> dict[str, str]:
         """The task's files (the built-in task's come from its data stage)."""
         if self.task.kind == "pydoc-topics":
             return {}
         files = [cfg.data.train_file, cfg.data.dev_file] if self.task.kind == "squad" else [cfg.data.data_dir]
-        return {f"finetune[{self.index}] data: {f}": input_identity(f) for f in files if f}
+        found = {f"finetune[{self.index}] data: {f}": input_identity(f) for f in files if f}
+        if self.task.kind == "glue" and cfg.data.data_dir and Path(cfg.data.data_dir).is_dir():
+            from bertrain.tasks.glue import get_task, has_split
+            needed = [s for s, used in (("train", cfg.do_train), ("dev", cfg.do_eval)) if used]
+            for split in needed:  # a folder without its dev file would fail after pretraining, not before
+                if not has_split(cfg.data.data_dir, get_task(cfg.data.task), split):
+                    found[f"finetune[{self.index}].config.data.data_dir: the {split} split of "
+                          f"{cfg.data.data_dir}"] = "missing"
+        return found
 
 
 def _finetune_stage(ctx: _TaskContext, init_kind: str, seed: int, plan_: Optional["_SearchPlan"]) -> Stage:

@@ -31,6 +31,11 @@ from bertrain.tasks.glue import TASKS
 # The one metric a task is judged by (the report's verdict; fine-tuning's selection metric), by task name ("squad"
 # for both SQuAD versions): the figure GLUE and the BERT paper lead with. A task not listed (SST-2, MNLI, QNLI, RTE,
 # WNLI, a task registered beside GLUE's) is judged by accuracy.
+SQUAD_V1_METRICS = ("exact_match", "f1")
+SQUAD_V2_METRICS = ("exact", "f1", "total", "HasAns_exact", "HasAns_f1", "HasAns_total", "NoAns_exact", "NoAns_f1",
+                    "NoAns_total", "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh")
+"""The numbers evaluate-v1.1.py / evaluate-v2.0.py report (v2.0: HasAns_/NoAns_ only when the dev set has such
+questions), for checking eval.metric before any work."""
 PRIMARY_METRIC: dict[str, str] = {"squad": "f1", "cola": "mcc", "mrpc": "f1", "qqp": "f1", "stsb": "pearson"}
 
 # ----------------------------------------------------------------------------------------------- SQuAD, shared
