@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,23 @@ def test_debug_adds_the_traceback(monkeypatch, capsys, exc, code):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
     assert err.splitlines()[-1].startswith("bertrain info: ")
+
+
+def test_sigterm_outside_a_training_loop_stops_like_ctrl_c(monkeypatch, capsys):
+    """`kill PID` between two pipeline stages (or in any command but serve): one line and exit 3, not a silent
+    death by signal (143); the default handler is back afterwards."""
+    from bertrain.commands import info
+
+    def run(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between two bytecodes of this loop
+            time.sleep(0.01)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    monkeypatch.setattr(info, "run", run)
+    assert main(["info"]) == 3
+    assert capsys.readouterr().err.strip().endswith("bertrain info: stopped by SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_ctrl_c_while_predict_reads_stdin(monkeypatch, capsys, classifier):

@@ -22,8 +22,11 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
+from typing import Any
 
 from bertrain.config import suggest_keys, unknown_key_message
 from bertrain.utils import threads
@@ -171,16 +174,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {message}", file=sys.stderr)
         return code
 
+    previous = _terminate_as_interrupt(args.command)
     try:
         if args.command in THREADED:
             threads.apply_threads(log)
         return int(args._module.run(args) or 0)
     except RunStopped as e:
         return fail(EXIT_STOPPED, f"stopped: {_describe_stop(e)}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         resume = " (a training run continues from its last checkpoint with --resume auto)" if args.command in (
-            "pretrain", "finetune") else ""
-        return fail(EXIT_STOPPED, f"interrupted{resume}")
+            "pretrain", "finetune") else " (run the same command again: finished stages are skipped, the cut one " \
+            "resumes)" if args.command == "run" else ""
+        return fail(EXIT_STOPPED, f"{'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}{resume}")
     except BrokenPipeError:
         # The reader of our output went away (`bertrain predict ... | head`): not an error of ours. Python would
         # complain again when it flushes stdout at exit; point stdout at /dev/null first.
@@ -201,6 +206,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: unexpected error ({type(e).__name__}: {e}); the traceback above says where "
               "(please report it)", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a training loop (whose own handler saves a checkpoint first): stop as Ctrl-C does."""
+
+
+def _terminate_as_interrupt(command: str) -> Any:
+    """Outside the training loops, SIGTERM (a scheduler's stop, `kill`) ends the command like Ctrl-C: one line and
+    exit 3, not a silent 143 between two pipeline stages. Not for `serve` (uvicorn drains on SIGTERM and re-raises
+    it after), nor where the handler is not the default; a forked worker (prepare's pool) dies as before.
+    Returns the handler to restore, None when none was installed."""
+    if command == "serve" or threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    pid = os.getpid()
+
+    def handle(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a forked child inherited this handler: die of the signal, as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handle)
 
 
 if __name__ == "__main__":
