@@ -119,6 +119,16 @@ def test_bad_recipes_are_refused_naming_the_key_before_any_work(tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+def test_the_dry_run_refuses_what_the_run_would_refuse_before_any_work(tmp_path, capsys):
+    argv = ["run", str(DEFAULT), "--set", f"output_dir={tmp_path / 'run'}", "--set",
+            "finetune[0].config.train.global_batch_size=17"]
+    for dry in (["--dry-run"], []):
+        assert main(argv + dry) == 2
+        assert "stage finetune-pydoc-topics-pretrained-s1: config key 'train.global_batch_size' (17)" in \
+            capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_inputs_refuse_the_run_but_not_the_dry_run(tmp_path, capsys):
     data = base_data()
     data.update(output_dir=str(tmp_path / "run"))

@@ -28,12 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bertrain.pipeline.recipe import load_recipe
-    from bertrain.pipeline.stages import build_stages, format_plan, plan, run_stages
+    from bertrain.pipeline.stages import build_stages, check_settings, format_plan, plan, run_stages
     from bertrain.train.launch import launch_env
 
     recipe = load_recipe(args.recipe, args.overrides)
     stages = build_stages(recipe)  # every engine config is built here: a bad key stops us before any work
     if args.dry_run:
+        check_settings(recipe, stages)  # what the real run would refuse before any work (missing inputs: listed)
         layout = launch_env()
         if layout is None or layout.rank == 0:
             print(format_plan(stages, plan(stages), recipe.run_dir))

@@ -63,7 +63,7 @@ from bertrain.tasks.glue import get_task
 from bertrain.tasks.metrics import PRIMARY_METRIC
 from bertrain.tasks.pretraining import build_model, run_pretraining
 from bertrain.train.checkpoint import sha256_file
-from bertrain.train.config import resolve_batch
+from bertrain.train.config import DistributedConfig, resolve_batch
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.evaluation import maximises
 from bertrain.train.launch import launch_env
@@ -783,16 +783,23 @@ def check_batches(stages: list[Stage], world_size: int) -> None:
                                 "set its batch keys in the recipe)") from None
 
 
+def check_settings(recipe: Recipe, stages: list[Stage]) -> DistributedConfig:
+    """The checks of the whole recipe that need no work (every stage's batch plan at this world size, one process
+    group for every parallel stage); the dry run makes them too. Returns the process group's settings."""
+    layout = launch_env()
+    check_batches(stages, layout.world_size if layout else 1)
+    group = process_group_config(recipe)
+    check_process_group(group, [(s.name, s.config.distributed) for s in stages if s.parallel])
+    return group
+
+
 def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> dict[str, Decision]:
     """Run the pipeline (every rank calls this); returns the decisions taken."""
     run_dir = recipe.run_dir
     missing = missing_inputs(stages)
     if missing:
         raise UserError("missing inputs: " + "; ".join(missing) + " — fix the recipe keys named, then run again")
-    layout = launch_env()
-    check_batches(stages, layout.world_size if layout else 1)
-    group = process_group_config(recipe)
-    check_process_group(group, [(s.name, s.config.distributed) for s in stages if s.parallel])
+    group = check_settings(recipe, stages)
     decisions: dict[str, Decision] = {}
     by_name = {s.name: s for s in stages}
     with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite):
