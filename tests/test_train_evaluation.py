@@ -149,6 +149,36 @@ def _evals(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "eval"]
 
 
+def test_raw_input_prepared_on_the_fly_takes_the_heldout_keys(heldout_store: Path, tmp_path: Path) -> None:
+    """`bertrain pretrain` on raw data.input: data.heldout_fraction / heldout_min_documents reach the on-the-fly
+    prepare (python-docs' 79 documents get no held-out set under prepare's default: 1%, at least 10, at most 10%);
+    on a prepared folder, whose set was chosen when it was prepared, the keys are refused before any work."""
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+
+    def config(out: str, steps: int = 2, **data) -> PretrainConfig:
+        cfg = _pretrain_config(heldout_store, tmp_path / out, train={"steps": steps}, checkpoint={"save_interval": 0})
+        cfg["data"].update(data)
+        return from_dict(PretrainConfig, cfg)
+
+    raw = {"prepared": None, "input": ["builtin:python-docs"]}
+    result = run_pretraining(config("run", **raw, heldout_fraction=0.05, heldout_min_documents=4))
+    stats = json.loads((tmp_path / "run" / "data" / "stats.json").read_text())
+    assert stats["heldout"]["dir"] == "heldout" and stats["heldout"]["num_documents"] >= 4
+    assert (stats["heldout"]["fraction"], stats["heldout"]["min_documents"]) == (0.05, 4)
+    evals = _evals(tmp_path / "run")
+    assert [e["step"] for e in evals] == [2] and 0 <= evals[0]["metrics"]["mlm_acc"] <= 1 and result.run.evaluation
+
+    run_pretraining(config("default", steps=1, **raw))
+    assert json.loads((tmp_path / "default" / "data" / "stats.json").read_text())["heldout"]["dir"] is None
+    assert not _evals(tmp_path / "default")
+
+    for key, value in (("heldout_fraction", 0.05), ("heldout_min_documents", 4)):
+        with pytest.raises(ValueError, match=f"'data.{key}' applies to raw data.input.*bertrain prepare"):
+            config("x", **{key: value})
+    with pytest.raises(ValueError, match=r"'data.heldout_fraction' must be in \[0, 0.5\]"):
+        config("x", **raw, heldout_fraction=0.7)
+
+
 @pytest.mark.slow
 def test_heldout_evaluation_survives_kill_and_resume_bit_for_bit(heldout_store: Path, tmp_path: Path) -> None:
     paths = {}

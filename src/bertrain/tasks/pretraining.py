@@ -104,6 +104,13 @@ class DataConfig:
     """dynamic: samples built and masked on the fly from (seed, epoch, index); static: materialised instances."""
     dupe_factor: int = 5
     """static masking: copies of the corpus with different masks."""
+    heldout_fraction: Optional[float] = None
+    """Raw `input` only: share of the documents that the on-the-fly prepare holds out in OUTPUT/data/heldout for
+    the held-out evaluation, never trained on (`bertrain prepare --heldout-fraction`); None: prepare's default (1%,
+    at least `heldout_min_documents`). A small corpus needs more, e.g. 0.05 with a minimum of 4."""
+    heldout_min_documents: Optional[int] = None
+    """Raw `input` only: at least this many held-out documents (None: prepare's default, 10); a corpus where that
+    is over 10% of its documents gets no held-out set."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     synthetic_samples: int = 0
@@ -118,7 +125,22 @@ class DataConfig:
             lambda: check_positive("data.synthetic_samples", self.synthetic_samples, allow_zero=True),
             lambda: check_positive("data.uneven_last_rank", self.uneven_last_rank, allow_zero=True),
             lambda: check_positive("data.dupe_factor", self.dupe_factor),
+            self._check_heldout,
         ])
+
+    def _check_heldout(self) -> None:
+        """Checked here, before a vocabulary is trained, not when prepare starts."""
+        given = [k for k in ("heldout_fraction", "heldout_min_documents") if getattr(self, k) is not None]
+        if given and self.source != "raw":
+            raise ValueError(f"config key 'data.{given[0]}' applies to raw data.input (prepared on the fly); the "
+                             "held-out set of a prepared folder is chosen when it is prepared (`bertrain prepare "
+                             "--heldout-fraction`, `--add-heldout DIR` for an existing folder; in a recipe "
+                             "data.prepare.heldout_fraction): remove it")
+        if self.heldout_fraction is not None and not 0.0 <= self.heldout_fraction <= 0.5:
+            raise ValueError(f"config key 'data.heldout_fraction' must be in [0, 0.5] (0: no held-out set), got "
+                             f"{self.heldout_fraction}")
+        if self.heldout_min_documents is not None:
+            check_positive("data.heldout_min_documents", self.heldout_min_documents, allow_zero=True)
 
     @property
     def source(self) -> str:
@@ -284,9 +306,10 @@ def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
         vocab_file = out / "vocab" / "vocab.txt"
         ensure_vocab(d.input, vocab_file.parent, d.vocab_size, d.do_lower_case, corpus)
     data_dir = out / "data"
+    heldout = {k: getattr(d, k) for k in ("heldout_fraction", "heldout_min_documents") if getattr(d, k) is not None}
     ensure_prepared(PrepareConfig(inputs=list(d.input), output=str(data_dir), vocab_file=str(vocab_file),
                                   masking=d.masking, sample=cfg.sample, dupe_factor=d.dupe_factor,
-                                  do_lower_case=d.do_lower_case, seed=cfg.seed, corpus=corpus))
+                                  do_lower_case=d.do_lower_case, seed=cfg.seed, corpus=corpus, **heldout))
     return data_dir, vocab_file
 
 
