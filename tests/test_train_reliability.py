@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from distributed import cli_env
 from helpers import TINY, write_rte_like
@@ -265,3 +266,51 @@ def test_resume_reuses_the_thread_count_of_the_run(finished, monkeypatch, capsys
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
+
+
+def _plant_nan_gradient_at(monkeypatch, step: int) -> None:
+    """A bad batch at optimizer step `step`: one gradient entry NaN before the norm is taken (as a real overflow
+    in the forward or backward pass leaves it)."""
+    from bertrain.train.precision import Precision
+    original, calls = Precision.unscale_and_clip, []
+
+    def unscale_and_clip(self, optimizer, params, max_norm):
+        params = list(params)
+        calls.append(1)
+        if len(calls) == step:
+            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+        return original(self, optimizer, params, max_norm)
+
+    monkeypatch.setattr(Precision, "unscale_and_clip", unscale_and_clip)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_a_diverged_run_stops_before_writing_nan_weights_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                        capsys, mode):
+    """fp32/bf16 have no loss scaler to skip a step with inf/NaN gradients: before, the run trained on NaN to the
+    end, saved NaN checkpoints that replaced the good ones (keep_last) and exported a NaN model, exit 0. Now it stops
+    at the first log line, evaluation or checkpoint after the bad step, exit 2, naming it and the intact checkpoint."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out, steps=12, save_interval=4, log_interval=5)
+    _plant_nan_gradient_at(monkeypatch, 6)
+    assert main(["pretrain", "--config", str(cfg), "--precision.mode", mode, "--checkpoint.keep_last", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "training diverged: the gradient norm was inf/NaN at step 6" in err and "steps 6-8" in err
+    assert f"{out / 'step-4'} (the last complete checkpoint) is intact" in err and "--allow-config-change" in err
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-4"] and not (out / "final").exists()
+    weights = load_file(out / "step-4" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5]  # logged before the check: the record shows where it broke
+
+
+def test_fp16_skips_the_same_bad_step_and_trains_on(tmp_path, monkeypatch, capsys):
+    """fp16's loss scaler skips a step with inf/NaN gradients (weights untouched): no divergence to report."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out, steps=8, save_interval=4, log_interval=4)
+    _plant_nan_gradient_at(monkeypatch, 6)
+    assert main(["pretrain", "--config", str(cfg), "--precision.mode", "fp16"]) == 0
+    capsys.readouterr()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 8 and records[-1]["skipped_steps"] == 1
+    assert all(torch.isfinite(w).all() for w in load_file(out / "final" / "model.safetensors").values())

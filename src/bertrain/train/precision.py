@@ -5,22 +5,34 @@ is inf/NaN, `step` then skips `optimizer.step()` (weights and optimizer state un
 scale. A skipped step is reported by `Precision.step` returning False, so the caller does not advance the LR
 schedule. A scale that keeps collapsing (below `min_loss_scale` for `max_consecutive_skips` overflowing steps in a
 row) means the run has diverged; we stop with an error instead of training on NaNs.
+
+fp32, TF32 and bf16 have no scaler: nothing skips a step whose gradients are inf/NaN, and the weights after it are
+lost (NaN from then on). `watch` records the first such step on the device (no host sync in the step: the GPU issue
+pins a sync-free step), and `check_finite`, called where the run reads the device anyway before it writes anything
+from those weights (a log line, an evaluation, a checkpoint, the end), stops it with `Diverged`: no NaN checkpoint
+replaces a good one (keep_last), no NaN model is exported, and the error names the step and the last checkpoint.
+The gradient norm is that of the all-reduced gradients, so every rank stops at the same check.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from bertrain.train.config import PrecisionConfig
+from bertrain.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class LossScaleCollapse(RuntimeError):
+class Diverged(UserError):
+    """Training went to inf/NaN: settings to change (lr, warmup, precision), not a bug, so one line and exit 2."""
+
+
+class LossScaleCollapse(Diverged):
     """fp16 training has overflowed repeatedly at a tiny loss scale."""
 
 
@@ -41,6 +53,7 @@ class Precision:
                                            growth_interval=cfg.growth_interval, enabled=cfg.mode == "fp16")
         self.consecutive_skips = 0
         self.skipped_steps = 0
+        self.first_nonfinite: torch.Tensor | None = None  # the first step with an inf/NaN gradient norm; -1: none
 
     @property
     def loss_scale(self) -> float:
@@ -97,6 +110,29 @@ class Precision:
                 "unscaled, so the run has diverged. Resume from an earlier checkpoint with a lower optim.lr or a "
                 "longer schedule.warmup, or use precision.mode=bf16 (no loss scaling needed) or fp32.")
         return False
+
+    def watch(self, grad_norm: torch.Tensor, step: int) -> None:
+        """Record `step` if its gradient norm is inf/NaN and none was before (device ops only: no host sync). fp16
+        needs none of it: its scaler skipped such a step and left the weights as they were."""
+        if self.scaler.is_enabled():
+            return
+        if self.first_nonfinite is None:
+            self.first_nonfinite = torch.full((), -1, dtype=torch.int64, device=grad_norm.device)
+        first = self.first_nonfinite
+        self.first_nonfinite = torch.where(~torch.isfinite(grad_norm) & (first < 0), step, first)
+
+    def check_finite(self, step: int, kept: Callable[[], str]) -> None:
+        """Raise `Diverged` if a watched step had an inf/NaN gradient norm (one host read of one number); `kept()`
+        says what the user still has (the last checkpoint)."""
+        first = -1 if self.first_nonfinite is None else int(self.first_nonfinite)
+        if first < 0:
+            return
+        raise Diverged(
+            f"training diverged: the gradient norm was inf/NaN at step {first} ({self.cfg.mode} has no loss scaling "
+            f"to skip such a step), so the weights of steps {first}-{step} are not usable and nothing of them was "
+            f"written; {kept()}. Continue from it with --resume auto --allow-config-change and a lower optim.lr, a "
+            "longer schedule.warmup or a smaller optim.max_grad_norm (the same settings diverge the same way), "
+            "or look at the data of that step")
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict(), "consecutive_skips": self.consecutive_skips,

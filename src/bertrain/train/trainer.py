@@ -302,6 +302,7 @@ class _Run:
             shares = self.forward_backward(micro_batches, flags["counts"], meter)
             grad_norm, stepped = optimizer_step(self.model, params, self.optimizer, self.precision,
                                                 cfg.optim.max_grad_norm)
+            self.precision.watch(grad_norm, state.step + 1)
             if stepped:
                 schedules.advance(self.scheduler, cfg.schedule, flags["elapsed"] / budget if budget else 0.0)
             else:
@@ -312,20 +313,25 @@ class _Run:
             meter.add_step(shares, grad_norm, stepped)
             bar.update(1)
             out_of_time = budget is not None and flags["elapsed"] >= budget  # the first step past the budget
-            if state.step % cfg.train.log_interval == 0 or state.step == self.total_steps or flags["stop"] or \
-                    out_of_time:
+            log_due = state.step % cfg.train.log_interval == 0 or state.step == self.total_steps or \
+                flags["stop"] or out_of_time
+            eval_due = self.evaluator.due(state.step, last=out_of_time)
+            save_due = bool(cfg.checkpoint.save_interval) and state.step % cfg.checkpoint.save_interval == 0
+            if log_due:
                 last = meter.flush(state, self.optimizer, self.precision, dist)
                 metrics_log.log(last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
                 of = "" if self.total_steps == NO_STEP_LIMIT else f"/{self.total_steps}"
                 log.info("step %d%s %s", state.step, of, _format_record(last))
+            if log_due or eval_due or save_due:  # before anything is evaluated or written from these weights
+                self.precision.check_finite(state.step, self.kept)
             if flags["stop"]:
                 log.warning("stop requested (signal): saving step %d and exiting", state.step)
                 bar.close()
                 return True, last
-            if self.evaluator.due(state.step, last=out_of_time):  # before the save: the checkpoint holds it
+            if eval_due:  # before the save: the checkpoint holds it
                 metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
-            if cfg.checkpoint.save_interval and state.step % cfg.checkpoint.save_interval == 0:
+            if save_due:
                 self.save()
             watchdog.step_done(state.step)
             if out_of_time:
@@ -361,6 +367,12 @@ class _Run:
             meter.add_micro(sums, mb)
         return shares
 
+    def kept(self) -> str:
+        """What a failure now leaves the user: the last complete checkpoint."""
+        complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
+        return f"{complete[-1]} (the last complete checkpoint) is intact" if complete else \
+            "no checkpoint was written before"
+
     def save(self) -> None:
         """Write checkpoint step-N from the registry of states (`train/states.py`): every rank contributes (its
         RNG state); rank 0 writes the folder, or under fsdp every rank writes its shards; all learn whether it
@@ -368,9 +380,7 @@ class _Run:
         step = self.state.step
         train_state = {"version": 2, "task": self.task.name, "world_size": self.dist.world_size,
                        "batch": asdict(self.plan), **saved_entries(self.states)}
-        complete = [p for _, p in ckpt.list_checkpoints(self.out) if (p / ckpt.COMPLETE).exists()]
-        kept = f"{complete[-1]} (the last complete checkpoint) is intact" if complete else \
-            "no checkpoint was written before"
+        kept = self.kept()
         doing = f"writing checkpoint step-{step} in {self.out}"
         model, optimizer = self.states["model"], self.states["optimizer"]
         if is_sharded(model):  # weights and optimizer state: each rank its shards (train/dcp.py)
