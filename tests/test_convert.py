@@ -283,6 +283,125 @@ def test_save_refuses_a_vocab_that_does_not_fit(tmp_path):
         model.save_pretrained(tmp_path / "out")
 
 
+# ----------------------------------------------------------------------------------------------- configs HF allows
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[2, 5, 9, 17, 30, 3, 0, 0], [2, 40, 41, 7, 3, 90, 91, 3]])
+
+
+def test_an_untied_mlm_decoder_is_refused_not_replaced_by_the_word_embeddings(tmp_path, capsys):
+    # tie_word_embeddings = false: transformers predicts with cls.predictions.decoder.weight, bertrain's head with
+    # the word embeddings. Before, the stored decoder was dropped like an old checkpoint's tied copy and
+    # `bertrain convert` exited 0 with MLM logits up to ~0.5 off (every logit of this tiny model differed).
+    src = hf_folder(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"tie_word_embeddings = false .*cls\.predictions\.decoder\.weight"):
+        BertForPreTraining.from_pretrained(src)
+    out = tmp_path / "converted"
+    assert main(["convert", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "tie_word_embeddings = false" in err and "--init" in err and "Traceback" not in err
+    assert not out.exists()
+
+    # The encoder does not use the decoder: it loads and computes what transformers computes.
+    ours = BertModel.from_pretrained(src).eval()
+    hf = transformers.BertModel.from_pretrained(src).eval()
+    ids = _ids()
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        a = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        b = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(b[mask.bool()], a[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
+def test_a_multi_label_classifier_is_refused_where_its_head_would_be_used(tmp_path, capsys):
+    # transformers scores problem_type multi_label_classification with a sigmoid per label. Before, bertrain loaded
+    # the head as single-label: `bertrain export` wrote a config.json without the problem_type (transformers'
+    # text-classification pipeline then gave softmax scores 0.34/0.33/0.33 instead of 0.50/0.50/0.50), and
+    # `bertrain predict` scored with a softmax, both with exit 0.
+    src = hf_folder(tmp_path, transformers.BertForSequenceClassification, num_labels=3,
+                    problem_type="multi_label_classification")
+    with pytest.raises(ValueError, match=r"problem_type = 'multi_label_classification' with 3 labels"):
+        BertForSequenceClassification.from_pretrained(src)
+    assert main(["export", str(src), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert "multi_label_classification" in err and "bertrain convert" in err and "Traceback" not in err
+    assert not (tmp_path / "exported").exists()
+    # Where the head is not used, the encoder loads: another label count (fine-tuning re-initialises the head),
+    # another class, `bertrain convert` (as the message says).
+    assert BertForSequenceClassification.from_pretrained(src, num_labels=2).loading_info["initialized"] == [
+        "classification head"]
+    BertModel.from_pretrained(src)
+    assert main(["convert", str(src), str(tmp_path / "converted")]) == 0
+    # The kinds bertrain computes load as before: single-label (what transformers' Trainer records) and a
+    # one-output regression.
+    for name, kw in (("single", dict(num_labels=3, problem_type="single_label_classification")),
+                     ("regression", dict(num_labels=1, problem_type="regression"))):
+        ok = hf_folder(tmp_path, transformers.BertForSequenceClassification, name=name, **kw)
+        assert BertForSequenceClassification.from_pretrained(ok).num_labels == kw["num_labels"]
+
+
+def _saved_by_transformers_tokenizer(tmp_path: Path, lower: bool, **kw) -> Path:
+    """An HF model folder whose tokenizer transformers saved itself: since transformers 5 that is tokenizer.json
+    and tokenizer_config.json, without vocab.txt."""
+    src = hf_folder(tmp_path, name=f"hf-{lower}")
+    tok = transformers.BertTokenizerFast(str(src / "vocab.txt"), do_lower_case=lower, **kw)
+    (src / "vocab.txt").unlink()
+    tok.save_pretrained(src)
+    (src / "vocab.txt").unlink(missing_ok=True)  # (transformers 4 also wrote it: test the folder 5 writes)
+    assert (src / "tokenizer.json").is_file()
+    return src
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_a_tokenizer_saved_by_transformers_5_gives_the_converted_folder_its_vocab(tmp_path, capsys, lower):
+    # Before: `bertrain convert` wrote no vocab.txt ("has no tokenizer files", though tokenizer.json was copied),
+    # and bertrain could not fine-tune the converted model ("has no vocab.txt").
+    from bertrain.tasks.common import load_task_tokenizer
+
+    src = _saved_by_transformers_tokenizer(tmp_path, lower)
+    out = tmp_path / "converted"
+    assert main(["convert", str(src), str(out)]) == 0
+    assert "warning" not in capsys.readouterr().out
+    tokens = (out / "vocab.txt").read_text().split("\n")[:-1]
+    assert tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and len(tokens) == VOCAB
+    assert json.loads((out / "tokenizer_config.json").read_text())["do_lower_case"] is lower
+    ours = load_task_tokenizer(out)
+    hf = transformers.AutoTokenizer.from_pretrained(src)
+    for text in ["Hello world, the Cat sat on the mat!", "unaffable cats.", "HELLO hello Hello"]:
+        assert ours.tokenizer.encode(text, add_special_tokens=False).ids == \
+            hf(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_a_tokenizer_json_bertrain_cannot_reproduce_gives_no_vocab_and_says_so(tmp_path, capsys, caplog):
+    # lower-casing without stripping accents: bertrain's tokenizer (vocab.txt + do_lower_case) strips them, so a
+    # vocab.txt taken from it would tokenize "café" otherwise than the model's tokenizer.
+    src = _saved_by_transformers_tokenizer(tmp_path, True, strip_accents=False)
+    with caplog.at_level(logging.WARNING, logger="bertrain"):
+        assert main(["convert", str(src), str(tmp_path / "converted")]) == 0
+    assert "strip_accents" in caplog.text and "cannot tokenize" in caplog.text
+    assert "has no vocab.txt that bertrain can use" in capsys.readouterr().out
+    assert not (tmp_path / "converted" / "vocab.txt").exists()
+
+
+def test_a_decoder_untied_in_name_only_loads_with_the_same_mlm_logits(tmp_path):
+    # tie_word_embeddings = false but the decoder holds exactly the word embeddings: the numbers are the tied
+    # model's, so the folder loads and predicts what transformers predicts.
+    cfg = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.BertForPreTraining(cfg).eval()
+    with torch.no_grad():
+        hf.cls.predictions.decoder.weight.copy_(hf.bert.embeddings.word_embeddings.weight)
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    ours = BertForPreTraining.from_pretrained(src).eval()
+    ids = _ids()
+    with torch.no_grad():
+        a = hf(input_ids=ids).prediction_logits
+        b = ours(input_ids=ids).prediction_logits[..., :99]
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- commands
 
 def test_cli_convert_export_and_overwrite(tmp_path, capsys):

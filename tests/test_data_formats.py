@@ -210,6 +210,43 @@ def test_vocab_and_prepare_take_a_text_column(shakespeare, tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("kind", ["dictionary", "string_view"])
+def test_dictionary_encoded_and_string_view_text_columns(tmp_path, capsys, kind):
+    """A text column stored dictionary-encoded (a pandas category column, Spark, Arrow's `dictionary_encode`) or as
+    string_view (what polars writes to Arrow IPC files) is a string column: read it like a plain one. Before:
+    exit 1 with a traceback (`ArrowNotImplementedError: Function 'binary_length' has no kernel ...`) in prepare
+    and vocab, for Parquet and Arrow alike."""
+    if kind == "string_view" and not hasattr(pa, "string_view"):
+        pytest.skip(f"pyarrow {pa.__version__} has no string_view")
+    texts = [f"Document {i % 7} of the {kind} test. It has a second sentence too." for i in range(40)] + [None]
+    plain = pa.table({"text": pa.array(texts, pa.string())})
+    special = pa.array(texts).dictionary_encode() if kind == "dictionary" else pa.array(texts, pa.string_view())
+    pq.write_table(plain, tmp_path / "plain.parquet")
+    pq.write_table(pa.table({"text": special}), tmp_path / "t.parquet")
+    assert pq.read_schema(tmp_path / "t.parquet").field("text").type == special.type  # read back as written
+    with pa.ipc.new_file(str(tmp_path / "t.arrow"), pa.schema([("text", special.type)])) as w:
+        w.write_table(pa.table({"text": special}))
+    common = ["--vocab-file", TINY_VOCAB, "--workers", "1", "--masking", "none", "--heldout-fraction", "0"]
+    assert main(["prepare", "--input", str(tmp_path / "plain.parquet"), "--output", str(tmp_path / "p-plain"),
+                 *common]) == 0
+    reference = json.loads((tmp_path / "p-plain" / "stats.json").read_text())
+    for name in ("t.parquet", "t.arrow"):
+        out = tmp_path / f"p-{name}"
+        assert main(["prepare", "--input", str(tmp_path / name), "--output", str(out), *common]) == 0, name
+        stats = json.loads((out / "stats.json").read_text())
+        assert [stats[k] for k in ("num_documents", "num_tokens", "input_bytes")] == \
+               [reference[k] for k in ("num_documents", "num_tokens", "input_bytes")], name
+        assert stats["num_documents"] == 40 and stats["input_bytes"] == sum(len(t.encode()) for t in texts[:-1])
+        assert stats["skipped"]["problems"] == {str(tmp_path / name): {"rows_without_text": 1}}
+        assert [v for k, v in digest(out).items() if "shards" in k] == \
+               [v for k, v in digest(tmp_path / "p-plain").items() if "shards" in k], name
+    assert main(["vocab", "--input", str(tmp_path / "t.arrow"), "--output", str(tmp_path / "v"),
+                 "--vocab-size", "100"]) == 0
+    assert main(["vocab", "--input", str(tmp_path / "plain.parquet"), "--output", str(tmp_path / "v-plain"),
+                 "--vocab-size", "100"]) == 0
+    assert (tmp_path / "v" / "vocab.txt").read_bytes() == (tmp_path / "v-plain" / "vocab.txt").read_bytes()
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 def test_wrong_column_type_nulls_and_damaged_files(tmp_path):

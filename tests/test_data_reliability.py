@@ -231,6 +231,54 @@ def test_few_invalid_bytes_replaced_and_counted_in_stats_and_vocab_output(tmp_pa
     assert json.loads((tmp_path / "v" / VOCAB_STATS).read_text())["replaced_characters"] == 2
 
 
+def test_a_utf8_bom_starting_a_jsonl_file_keeps_its_first_document(tmp_path, capsys):
+    """Windows tools (PowerShell, Excel, Notepad) start UTF-8 files with a byte order mark. Before, the first line
+    of such a JSONL file was 'not valid JSON' and its document was skipped (exit 0, one warning), and
+    `--encoding utf-8-sig` was refused as not ASCII-compatible."""
+    docs = [{"text": f"Document {i}. " + PANGRAMS.split("\n")[0]} for i in range(3)]
+    lines = "".join(json.dumps(d) + "\n" for d in docs)
+    (tmp_path / "bom").mkdir()
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "bom" / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    (tmp_path / "plain" / "c.jsonl").write_bytes(lines.encode())
+    for encoding in ("utf-8", "utf-8-sig"):
+        report = SkipReport()
+        read = list(iter_documents([str(tmp_path / "bom")], CorpusConfig(encoding=encoding), report))
+        assert [d.sentences[0] for d in read] == ["Document 0.", "Document 1.", "Document 2."], encoding
+        assert report.totals() == {}, encoding
+    code, _, err = run_cli(capsys, "prepare", "--input", tmp_path / "bom", "--output", tmp_path / "o-bom",
+                           "--vocab-file", TINY_VOCAB, "--workers", "1", "--masking", "none")
+    assert code == 0 and "not valid JSON" not in err
+    prepare(prepare_config(tmp_path / "o-plain", inputs=[str(tmp_path / "plain")], masking="none"))
+    assert json.loads((tmp_path / "o-bom" / "stats.json").read_text())["num_documents"] == 3
+    assert [v for k, v in digest(tmp_path / "o-bom").items() if "shards" in k] == \
+           [v for k, v in digest(tmp_path / "o-plain").items() if "shards" in k]
+
+
+def test_lone_surrogate_escapes_in_jsonl_are_replaced_and_counted(tmp_path, capsys):
+    """JSON's "\\ud83d" escape without its pair (scraped text cut inside an emoji) decodes to half a character that
+    UTF-8 cannot hold. Before, prepare and vocab stopped with `'utf-8' codec can't encode character '\\ud83d' ...`
+    (naming no file or line, after reading everything before it); now it is replaced like an invalid byte and
+    counted, and a complete pair is the emoji it encodes."""
+    f = tmp_path / "scraped.jsonl"
+    f.write_text(json.dumps({"text": "A post cut inside an emoji \ud83d here. " + PANGRAMS.split("\n")[0]}) + "\n"
+                 + json.dumps({"text": "A whole emoji \U0001F600 stays. " + PANGRAMS.split("\n")[0]}) + "\n")
+    assert "\\ud83d\\ude00" in f.read_text() and f.read_text().count("\\ud83d") == 2  # JSON escapes both
+    report = SkipReport()
+    docs = list(iter_documents([str(f)], CorpusConfig(), report))
+    assert docs[0].sentences[0] == "A post cut inside an emoji here."
+    assert docs[1].sentences[0] == "A whole emoji \U0001F600 stays."
+    assert report.counts[str(f)]["replaced_characters"] == 1
+    code, _, err = run_cli(capsys, "prepare", "--input", f, "--output", tmp_path / "o", "--vocab-file", TINY_VOCAB,
+                           "--workers", "1", "--masking", "none")
+    assert code == 0, err
+    stats = json.loads((tmp_path / "o" / "stats.json").read_text())
+    assert stats["num_documents"] == 2 and stats["replaced_characters"] == 1
+    assert stats["skipped"]["problems"] == {str(f): {"replaced_characters": 1}}
+    code, stdout, err = run_cli(capsys, "vocab", "--input", f, "--output", tmp_path / "v", "--vocab-size", "100")
+    assert code == 0 and "1 invalid characters replaced" in stdout, err
+
+
 def test_character_cut_at_the_end_of_a_file_is_counted(tmp_path):
     (tmp_path / "a.txt").write_bytes(PANGRAMS.encode() * 3 + b"ends in a cut character \xc3")
     report = SkipReport()

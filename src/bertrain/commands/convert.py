@@ -70,5 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if initialised:
         print(f"initialised randomly (absent from {args.hf_dir}): {', '.join(initialised)}")
     if "vocab.txt" not in model.tokenizer_files:
-        print(f"warning: {args.hf_dir} has no vocab.txt; {out} has no tokenizer files")
+        # (tokenizer.json alone is copied but is not enough: bertrain tokenizes from vocab.txt; the log line of
+        # `read_tokenizer_files` says why it could not take the vocabulary from it)
+        print(f"warning: {args.hf_dir} has no vocab.txt"
+              + (" that bertrain can use (see the warning above)" if "tokenizer.json" in model.tokenizer_files
+                 else "") + f"; {out} has none, so bertrain cannot tokenize text for it")
     return 0

@@ -39,7 +39,9 @@ def check_encoding(encoding: str) -> None:
     except LookupError:
         raise ValueError(f"unknown encoding {encoding!r} (e.g. utf-8, latin-1, cp1252, shift_jis)") from None
     try:
-        ascii_compatible = "\n\0 az".encode(encoding) == b"\n\0 az"
+        # utf-8-sig writes a BOM first, then is UTF-8 (which the readers read with a leading BOM dropped)
+        ascii_compatible = ("\n\0 az".encode(encoding) == b"\n\0 az"
+                            or codecs.lookup(encoding).name == "utf-8-sig")
     except (UnicodeError, LookupError):
         ascii_compatible = False
     if not ascii_compatible:
@@ -215,6 +217,10 @@ class _Decoder:
         self.pos = 0  # bytes decoded so far
         self.invalid = 0  # invalid bytes so far
         self.first_bad = ""  # where the first one is, for the message
+        # A UTF-8 byte order mark starting the file (Windows tools write one) is not text: as "utf-8-sig" does, it
+        # is dropped, else a JSONL file's first line does not parse and its document is lost. (GLUE, SQuAD and
+        # predict inputs are read the same way.)
+        self.bom = codecs.lookup(encoding).name == "utf-8"
 
     def decode(self, data: bytes, final: bool = False) -> str:
         nul = data.find(b"\0")
@@ -224,6 +230,9 @@ class _Decoder:
                             "UTF-16/32 text: convert it to UTF-8 first; for other encodings see --encoding)")
         spans = _decode_spans.spans = []
         text = self.decoder.decode(data, final)
+        if self.bom and text:  # the first characters decoded (a BOM cut between two reads is not decoded yet)
+            self.bom = False
+            text = text.removeprefix("\ufeff")
         if spans:
             self.report.add(self.path, "replaced_characters", len(spans))
             self.invalid += sum(end - start for start, end in spans)

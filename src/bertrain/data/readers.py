@@ -330,6 +330,11 @@ def _account_file(reader: CountingReader, path: str, report: SkipReport,
         report.warn("%s is truncated (%s); kept %s", path, reader.truncated, kept)
 
 
+# Half of a UTF-16 surrogate pair: JSON's "\ud800" escape decodes to it (scraped text cut inside an emoji), but it
+# is no Unicode character and cannot be encoded as UTF-8 (a pair, "\ud83d\ude00", decodes to one character).
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = "utf-8",
                 progress: InputProgress | None = None) -> Iterator[RawDocument]:
     with CountingReader(path, progress) as reader:
@@ -352,6 +357,10 @@ def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = 
                     report.warn("%s line %d has no string field %r (%s); skipped. Name the text field with "
                                 "--text-field (pretraining config: data.text_column)", path, lineno, text_field, has)
                 continue
+            if "\\u" in line:  # only a \uXXXX escape puts a lone surrogate into the decoded text
+                text, n = _LONE_SURROGATE.subn("\ufffd", text)
+                if n:  # replaced like an invalid byte (then dropped by cleaning), and counted as one
+                    report.add(path, "replaced_characters", n)
             yield RawDocument(text, "text", path)
         _account_file(reader, path, report)
 

@@ -300,8 +300,14 @@ def _is_type(pa: Any, tp: Any, expected: str) -> bool:
 
 
 def text_bytes(batch_column: Any) -> int:
-    """UTF-8 bytes of a string column's values (from its offsets: no copy)."""
+    """UTF-8 bytes of a string column's values (from its offsets: no copy for string and large_string)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
+    if not (pa.types.is_string(batch_column.type) or pa.types.is_large_string(batch_column.type)):
+        # Dictionary-encoded strings (pandas categories, Spark, `datasets` ClassLabel-like text) and string_view
+        # (polars' IPC files) are string columns too, but `binary_length` has no kernel for them: the values as
+        # large_string (a dictionary's value counted once per row that uses it).
+        batch_column = batch_column.cast(pa.large_string())
     n = pc.sum(pc.binary_length(batch_column)).as_py()
     return int(n or 0)

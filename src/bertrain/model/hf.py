@@ -309,16 +309,76 @@ def vocab_size_of(vocab: bytes) -> int:
 
 def read_tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
     """The tokenizer files present in an HF folder (vocab.txt, tokenizer_config.json, ...); a Google-style folder
-    with only vocab.txt gets HF's tokenizer_config.json and special_tokens_map.json generated."""
+    with only vocab.txt gets HF's tokenizer_config.json and special_tokens_map.json generated, and a folder whose
+    tokenizer transformers >= 5 saved (tokenizer.json, no vocab.txt) the vocab.txt that tokenizer.json holds
+    (`vocab_from_tokenizer_json`)."""
     path = Path(path)
     files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+    lower: bool | None = None  # the casing tokenizer.json says, when the vocabulary comes from it
+    if "vocab.txt" not in files and "tokenizer.json" in files:
+        # transformers >= 5 saves a BERT tokenizer as tokenizer.json alone (no vocab.txt); bertrain tokenizes from
+        # vocab.txt + do_lower_case, which is the same tokenizer when tokenizer.json is BERT's pipeline.
+        vocab, lower, why_not = vocab_from_tokenizer_json(files["tokenizer.json"],
+                                                          files.get("tokenizer_config.json"))
+        if vocab is None:
+            log.warning("%s: no vocab.txt, and its tokenizer.json %s: bertrain cannot tokenize for this model",
+                        path, why_not)
+        else:
+            log.info("%s: no vocab.txt; writing the one its tokenizer.json holds (%d tokens)", path,
+                     vocab_size_of(vocab))
+            files["vocab.txt"] = vocab
     if "vocab.txt" in files and "tokenizer_config.json" not in files:
-        # Google's releases say "uncased"/"cased" in the folder name; uncased (lower-casing) is the common default.
-        lower = not ("cased" in path.name.lower() and "uncased" not in path.name.lower())
+        if lower is None:
+            # Google's releases say "uncased"/"cased" in the folder name; uncased (lower-casing) is the common
+            # default.
+            lower = not ("cased" in path.name.lower() and "uncased" not in path.name.lower())
         log.info("%s: no tokenizer_config.json; writing one with do_lower_case=%s", path, lower)
-        generated = tokenizer_files_from_vocab(path / "vocab.txt", do_lower_case=lower)
+        generated = _tokenizer_files(files["vocab.txt"], path / "vocab.txt", do_lower_case=lower)
         files = {**generated, **files}
     return files
+
+
+def vocab_from_tokenizer_json(tokenizer_json: bytes,
+                              tokenizer_config: bytes | None = None) -> tuple[bytes | None, bool | None, str]:
+    """(vocab.txt, lower-cases, "") from an HF `tokenizers` tokenizer.json that is BERT's WordPiece tokenizer, the
+    one bertrain rebuilds from vocab.txt and do_lower_case: BertNormalizer (cleaning text, splitting CJK characters,
+    accents stripped exactly when lower-casing), BertPreTokenizer, WordPiece with "##" and [UNK], every added token
+    inside the vocabulary. Else (None, None, why not, as a phrase): a vocab.txt of another tokenizer would tokenize
+    otherwise than it."""
+    try:
+        data = json.loads(tokenizer_json)
+        model, norm = data["model"], data.get("normalizer") or {}
+        pre = (data.get("pre_tokenizer") or {}).get("type")
+        config = json.loads(tokenizer_config) if tokenizer_config else {}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, None, f"cannot be read ({type(e).__name__}: {e})"
+    kind = model.get("type") if isinstance(model, dict) else type(model).__name__
+    if kind != "WordPiece" or not isinstance(model.get("vocab"), dict):
+        return None, None, f"holds a {kind} model, not BERT's WordPiece"
+    if model.get("continuing_subword_prefix", "##") != "##" or model.get("unk_token") != "[UNK]":
+        return None, None, "has another subword prefix or unknown token than BERT's (## and [UNK])"
+    if norm.get("type") != "BertNormalizer" or pre != "BertPreTokenizer":
+        return None, None, (f"normalizes with {norm.get('type')} and pre-tokenizes with {pre}, not with BERT's "
+                            "BertNormalizer and BertPreTokenizer")
+    lower = norm.get("lowercase", True)
+    if not norm.get("clean_text", True) or not norm.get("handle_chinese_chars", True) \
+            or norm.get("strip_accents") not in (None, lower):
+        return None, None, ("sets its BertNormalizer otherwise than BERT does (clean_text and handle_chinese_chars "
+                            f"on, accents stripped exactly when lower-casing): {json.dumps(norm)}")
+    if isinstance(config, dict) and "do_lower_case" in config and config["do_lower_case"] != lower:
+        return None, None, (f"lower-cases = {lower} but tokenizer_config.json says do_lower_case = "
+                            f"{config['do_lower_case']}")
+    vocab = model["vocab"]
+    by_id = sorted(vocab, key=vocab.__getitem__)
+    if [vocab[t] for t in by_id] != list(range(len(by_id))):
+        return None, None, "numbers its WordPiece vocabulary with gaps or repeated ids"
+    outside = [t.get("content") for t in data.get("added_tokens") or []
+               if isinstance(t, dict) and vocab.get(t.get("content")) != t.get("id")]
+    if outside:
+        return None, None, f"adds tokens outside its WordPiece vocabulary ({', '.join(map(str, outside[:5]))})"
+    if any(len(t.splitlines()) != 1 for t in by_id):  # how `read_vocab` cuts a vocab.txt into tokens
+        return None, None, "has an empty token or one holding a line break, which a vocab.txt cannot hold"
+    return ("\n".join(by_id) + "\n").encode("utf-8"), bool(lower), ""
 
 
 def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **kwargs: Any) -> BertPreTrainedModel:
@@ -359,6 +419,7 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
     mlm = "cls.predictions."
     if mlm + "decoder.bias" in source and mlm + "bias" not in source:
         source[mlm + "bias"] = source[mlm + "decoder.bias"]
+    decoder = source.get(mlm + "decoder.weight")
     for key in _TIED_DECODER:
         source.pop(key, None)
 
@@ -371,6 +432,8 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
             log.warning("%s: the classification head has %d labels, not num_labels=%d: re-initialising it",
                         source_file, found, num_labels)
             source.pop("classifier.weight"), source.pop("classifier.bias", None)
+        if "classifier.weight" in source:  # the head is used as trained: it must mean what bertrain computes
+            _check_problem_type(raw_config.get("problem_type"), num_labels, config_file)
         model = cls(config, num_labels=num_labels)
         id2label = raw_config.get("id2label")
         if isinstance(id2label, dict) and len(id2label) == num_labels:
@@ -379,6 +442,7 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
         model = cls(config)
 
     template = to_hf_state_dict(model)  # every HF key this class has, with its shape
+    _check_tied_decoder(raw_config, config_file, source_file, decoder, source, template)
     for key, t in source.items():
         if key in template and tuple(t.shape) != tuple(template[key].shape):
             raise ValueError(f"{source_file}: {key} has shape {tuple(t.shape)} but {config_file} implies "
@@ -410,6 +474,42 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
                     _short(strange))
     model.loading_info = {"initialized": initialised, "missing_keys": missing, "unexpected_keys": unexpected}
     return model
+
+
+def _check_tied_decoder(raw_config: dict[str, Any], config_file: Path, source_file: str,
+                        decoder: torch.Tensor | None, source: Mapping[str, torch.Tensor],
+                        template: Mapping[str, torch.Tensor]) -> None:
+    """Refuse an MLM head whose decoder is not the word embeddings (`tie_word_embeddings: false` in config.json,
+    with its own `cls.predictions.decoder.weight`): bertrain's decoder *is* the word embedding matrix, so dropping
+    the stored one, as for the tied copies old checkpoints carry, would predict other tokens than the model does
+    in transformers. Classes without the MLM head do not use the decoder and load such a folder as it is."""
+    if raw_config.get("tie_word_embeddings", True) is not False or decoder is None:
+        return
+    embeddings_key = next((k for k in template if k.endswith("embeddings.word_embeddings.weight")), None)
+    if not any(k.startswith("cls.predictions.") for k in template) or embeddings_key not in source:
+        return
+    embeddings = source[embeddings_key]
+    if decoder.shape == embeddings.shape and torch.equal(decoder.to(embeddings.dtype), embeddings):
+        return  # untied in name only: the numbers are the tied model's
+    raise ValueError(f"{config_file} says tie_word_embeddings = false and {source_file} holds an MLM decoder "
+                     "(cls.predictions.decoder.weight) other than the word embeddings; bertrain's MLM head always "
+                     "predicts with the word embeddings (as BERT does), so it cannot hold this model's MLM head. "
+                     "Its encoder loads for fine-tuning (`bertrain finetune ... --init` this folder) or as a "
+                     "BertModel")
+
+
+def _check_problem_type(problem_type: Any, num_labels: int, config_file: Path) -> None:
+    """Refuse a trained classification head of a kind bertrain does not compute: its sequence classifier scores
+    one label of several (softmax, cross-entropy) or, with one label, a regression value. transformers' other
+    `problem_type`s (multi_label_classification: a sigmoid per label; regression with several outputs) would load
+    without error, and predict, export (config.json without the problem_type) and fine-tuning would silently
+    treat the head as single-label."""
+    if problem_type in (None, "single_label_classification") or (problem_type == "regression" and num_labels == 1):
+        return
+    raise ValueError(f"{config_file}: problem_type = {problem_type!r} with {num_labels} labels: bertrain's sequence "
+                     "classifiers score one label of several (softmax) or one regression value, so this model's "
+                     "classification head would give other scores than in transformers. To fine-tune from its "
+                     "encoder, `bertrain convert` it first (the classification head is left out)")
 
 
 def _head_groups(keys: list[str]) -> list[str]:
@@ -449,6 +549,12 @@ def tokenizer_files_from_vocab(vocab_file: str | os.PathLike, do_lower_case: boo
         vocab = vocab_file.read_bytes()
     except FileNotFoundError:
         raise ValueError(f"{vocab_file}: vocabulary file not found") from None
+    return _tokenizer_files(vocab, vocab_file, do_lower_case, model_max_length)
+
+
+def _tokenizer_files(vocab: bytes, vocab_file: Path, do_lower_case: bool = True,
+                     model_max_length: int = 512) -> dict[str, bytes]:
+    """`tokenizer_files_from_vocab` of the bytes of a vocab.txt (`vocab_file` names it in errors)."""
     tokens = set(vocab.decode("utf-8").split("\n"))
     absent = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
     if absent:
