@@ -85,3 +85,26 @@ def test_random_ascii_words_equal_hf(lower, vocab):
     sents = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(3000)]
     sents.append("x" * 250 + " " + "ab" * 101)
     assert_same(TINY_VOCAB if vocab == "tiny" else real_vocab(), lower, sents)
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_long_words_are_unk_beyond_the_limit_that_fine_tuning_and_hf_use(lower, tmp_path):
+    """prepare's encoder, the fine-tuning tokenizer and transformers' BertTokenizerFast of an exported folder cut a
+    word into pieces up to 100 characters and make a longer one [UNK] (prepare used google-research/bert's 200:
+    a word of 101-200 characters was pretrained on as pieces, then [UNK] in fine-tuning and in transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from bertrain.tasks.common import load_task_tokenizer
+
+    from bertrain.model.hf import tokenizer_files_from_vocab
+
+    vocab = real_vocab()
+    for name, data in tokenizer_files_from_vocab(vocab, do_lower_case=lower).items():  # as an exported folder
+        (tmp_path / name).write_bytes(data)
+    words = ["x" * n for n in (99, 100, 101, 150, 200)] + ["Ab" * 60, "see " + "y" * 120 + " here"]
+    prepare_ids = [FastBertEncoder.from_vocab_file(vocab, lower).encode_sentences([w])[0].tolist() for w in words]
+    task = load_task_tokenizer(tmp_path, do_lower_case=lower).tokenizer
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    unk = hf.unk_token_id
+    for w, ours in zip(words, prepare_ids):
+        assert ours == task.encode(w, add_special_tokens=False).ids == hf(w, add_special_tokens=False)["input_ids"], w
+    assert prepare_ids[0] != [unk] and prepare_ids[1] != [unk] and prepare_ids[2] == prepare_ids[3] == [unk]

@@ -114,7 +114,10 @@ def load_tokenizer(vocab_file: str | os.PathLike, do_lower_case: bool = True) ->
     return _wordpiece({t: i for i, t in enumerate(read_vocab(vocab_file))}, do_lower_case)
 
 
-_MAX_WORD_CHARS = 200  # longer words are [UNK], as in google-research/bert
+# Longer words are [UNK]. 100, as HF's BertTokenizer(Fast) and `tasks.common.load_task_tokenizer`, which tokenize
+# the model's text in fine-tuning and after export: with google-research/bert's 200, a word of 101-200 characters
+# was pretrained on as pieces and then seen as [UNK] by the model it became.
+_MAX_WORD_CHARS = 100
 
 
 def _wordpiece(vocab: dict[str, int], do_lower_case: bool) -> Tokenizer:
@@ -132,7 +135,7 @@ def _wordpiece(vocab: dict[str, int], do_lower_case: bool) -> Tokenizer:
 # whitespace/punctuation and drops ASCII control characters, which BertNormalizer + BertPreTokenizer provably treat
 # the same way (every ASCII char maps to itself, to its lower case, to a space or to nothing, each ASCII punctuation
 # char is its own word, and ASCII chars are Unicode starters, so NFD never reorders across them). Every piece
-# between two cuts, ASCII or not (accents, CJK, Unicode spaces/punctuation inside it, words over 200 chars -> [UNK]),
+# between two cuts, ASCII or not (accents, CJK, Unicode spaces/punctuation inside it, words over 100 chars -> [UNK]),
 # is encoded by the HF tokenizer itself the first time it is seen. tests/test_data_tokenizer.py checks equality on
 # the real corpora, cased and uncased.
 _ASCII_WS = " \t\n\r"
