@@ -108,3 +108,24 @@ def test_long_words_are_unk_beyond_the_limit_that_fine_tuning_and_hf_use(lower, 
     for w, ours in zip(words, prepare_ids):
         assert ours == task.encode(w, add_special_tokens=False).ids == hf(w, add_special_tokens=False)["input_ids"], w
     assert prepare_ids[0] != [unk] and prepare_ids[1] != [unk] and prepare_ids[2] == prepare_ids[3] == [unk]
+
+
+def test_a_vocab_token_holding_a_unicode_line_separator_keeps_hf_ids(tmp_path):
+    """vocab.txt lines as HF tokenizers reads them: cut at \\n only (CRLF files too). str.splitlines also cut a token
+    holding \\x85, \\u2028 or \\x0c in two, shifting every later id against transformers' (a foreign vocab can hold
+    such tokens; a line ending \\r\\n is one token)."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    from bertrain.data.tokenizer import read_vocab
+
+    tokens = TINY_VOCAB.read_text(encoding="utf-8").split("\n")[:-1]
+    odd = ["a\u2028b", "\x85c", "\x0cd", "e\x1c", "zzq \u3000"]  # trailing white space is trimmed, \x1c is none
+    path = tmp_path / "vocab.txt"
+    path.write_bytes(("\r\n".join(tokens[:5] + odd + tokens[5:]) + "\r\n").encode("utf-8"))
+    ours = read_vocab(path)
+    hf = BertWordPieceTokenizer(str(path), lowercase=True).get_vocab()
+    assert len(ours) == len(tokens) + 5 == len(hf) and ours[5:10] == ["a\u2028b", "\x85c", "\x0cd", "e\x1c", "zzq"]
+    assert {t: i for i, t in enumerate(ours)} == hf
+    sentence = " ".join(tokens[20:40])
+    assert load_tokenizer(path).encode(sentence, add_special_tokens=False).ids == \
+        BertWordPieceTokenizer(str(path), lowercase=True).encode(sentence, add_special_tokens=False).ids

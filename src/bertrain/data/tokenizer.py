@@ -36,16 +36,29 @@ logger = logging.getLogger(__name__)
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
+# Rust's char::is_whitespace (the Unicode White_Space property), which `str::trim_end` strips; Python's str.isspace
+# differs (it also counts \x1c-\x1f).
+_RUST_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b))) + \
+    "\u2028\u2029\u202f\u205f\u3000"
+
+
+def vocab_lines(text: str) -> list[str]:
+    """The tokens of a vocab.txt's text as HF `tokenizers` reads them (WordPiece.read_file: cut at \\n only, trailing
+    Unicode white space trimmed), not as str.splitlines, which also cuts at \\x0b, \\x0c, \\x1c-\\x1e, \\x85,
+    \\u2028 and \\u2029: a token holding one of them would shift every later id against transformers'."""
+    return [t.rstrip(_RUST_WHITE_SPACE) for t in text.split("\n")]
+
+
 def read_vocab(vocab_file: str | os.PathLike) -> list[str]:
     """The tokens of a BERT vocab.txt, one per line, in id order (a clear error for a missing/empty file)."""
     path = Path(vocab_file)
     if not path.is_file():
         raise FileNotFoundError(f"vocab file {path} does not exist (train one with `bertrain vocab` or pass a vocab.txt)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"vocab file {path} is not UTF-8 text: {e}") from None
-    tokens = text.splitlines()
+    tokens = vocab_lines(text)
     if tokens and tokens[-1] == "":
         tokens.pop()
     if not tokens:

@@ -376,7 +376,9 @@ def vocab_from_tokenizer_json(tokenizer_json: bytes,
                if isinstance(t, dict) and vocab.get(t.get("content")) != t.get("id")]
     if outside:
         return None, None, f"adds tokens outside its WordPiece vocabulary ({', '.join(map(str, outside[:5]))})"
-    if any(len(t.splitlines()) != 1 for t in by_id):  # how `read_vocab` cuts a vocab.txt into tokens
+    from bertrain.data.tokenizer import vocab_lines
+
+    if "" in by_id or vocab_lines("\n".join(by_id)) != by_id:  # a vocab.txt that `read_vocab` reads back as is
         return None, None, "has an empty token or one holding a line break, which a vocab.txt cannot hold"
     return ("\n".join(by_id) + "\n").encode("utf-8"), bool(lower), ""
 
