@@ -34,3 +34,55 @@ def test_bad_text_is_refused_naming_the_file_and_line(line, task, message):
 def test_a_null_text_pair_is_a_single_text():
     f = io.StringIO('{"text": "a", "text_pair": null}\n')
     assert [it["text"] for it in read_items(f, "in.jsonl", "jsonl", "classification")] == ["a"]
+
+
+def _tiny_model(cls, folder, positions: int):
+    """A tiny random model of `cls` with `positions` positions and the test vocabulary, saved as an HF folder (its
+    head saved too, so it loads as trained)."""
+    import torch
+
+    from conftest import ASSETS
+
+    from bertrain.model.bert import BertConfig
+    from bertrain.model.hf import tokenizer_files_from_vocab
+
+    torch.manual_seed(0)
+    vocab = ASSETS / "vocab-tiny.txt"
+    model = cls(BertConfig.from_preset("tiny", vocab_size=sum(1 for _ in open(vocab, encoding="utf-8")),
+                                       max_position_embeddings=positions))
+    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_the_sequence_length_never_exceeds_the_models_positions(tmp_path, capsys):
+    """A length beyond the model's positions failed only at the first input that long: a QA model without
+    task.json (default 384) on a 64-position model answered short contexts and raised on a long one; the server
+    answered such requests 422, blaming the client. Now the default is capped to the positions (long contexts are
+    read in windows) and a larger --max-seq-length is refused before any input is read."""
+    from bertrain.cli import main
+    from bertrain.deploy.predict import Predictor
+    from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+
+    qa = _tiny_model(BertForQuestionAnswering, tmp_path / "qa", positions=64)
+    context = " ".join(f"the cat sat on mat number {i} ." for i in range(40))  # ~300 tokens: several windows
+    p = Predictor(qa)
+    assert p.max_seq_length == 64
+    (answer,) = p.predict([{"question": "where did the cat sit ?", "context": context}])
+    assert answer["answer"] == context[answer["start"]:answer["end"]] and answer["answer"]
+
+    cls = _tiny_model(BertForSequenceClassification, tmp_path / "cls", positions=64)
+    assert Predictor(cls).max_seq_length == 64
+    assert Predictor(cls, max_seq_length=32).max_seq_length == 32
+    with pytest.raises(ValueError, match=r"--max-seq-length is 128, more than the 64 positions of the model in .*"
+                                         r"use --max-seq-length 64 or less"):
+        Predictor(cls, max_seq_length=128)
+    (cls / "task.json").write_text('{"kind": "classification", "max_seq_length": 100}')
+    assert Predictor(cls).max_seq_length == 64  # an older run's task.json: capped, with a warning
+    # the command refuses it in one line before reading any input
+    capsys.readouterr()
+    assert main(["predict", "--model", str(qa), "--max-seq-length", "128",
+                 "--input", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bertrain predict: error: --max-seq-length is 128, more than the 64 positions")
+    assert "Traceback" not in "\n".join(err)

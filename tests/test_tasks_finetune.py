@@ -164,6 +164,45 @@ def test_bad_config_and_data_errors(tmp_path, tiny_model, capsys):
     assert "data.train_file" in capsys.readouterr().err
 
 
+def test_a_max_seq_length_beyond_the_models_positions_is_refused_before_any_work(tmp_path, capsys):
+    """Before: SQuAD built every feature, failed at the first batch holding a 128-token window ('sequence length
+    128 exceeds max_position_embeddings 64') and left a folder the corrected command refused as a run to resume;
+    GLUE, whose inputs happened to be short, finished and exported a task.json of 128 that the model cannot take."""
+    from bertrain.model.bert import BertConfig, BertModel
+    from bertrain.model.hf import tokenizer_files_from_vocab
+    from conftest import ASSETS
+
+    torch.manual_seed(0)
+    vocab = ASSETS / "vocab-tiny.txt"
+    model = BertModel(BertConfig.from_preset("tiny", vocab_size=sum(1 for _ in open(vocab, encoding="utf-8")),
+                                             max_position_embeddings=64))
+    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
+    model.save_pretrained(tmp_path / "m64")
+    context = " ".join(["ann sat on the mat in the house ."] * 12)  # ~110 tokens: windows of 128 are needed
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": [
+        {"id": f"q{i}", "question": "who sat ?", "answers": [{"text": "ann", "answer_start": 0}]}
+        for i in range(4)]}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    squad = ["finetune", "squad", "--train", str(tmp_path / "s.json"), "--dev", str(tmp_path / "s.json"),
+             "--init", str(tmp_path / "m64"), "--output", str(out), "--train.steps", "1", "--data.cache_dir", "",
+             "--data.max_query_length", "8", *TINY]
+    capsys.readouterr()
+    assert main([*squad, "--data.max_seq_length", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"bertrain finetune: error: config key 'data.max_seq_length' (128) exceeds the "
+                   f"max_position_embeddings (64) of the model to fine-tune ({tmp_path / 'm64'}): use 64 or less")
+    assert not (out / "metrics.jsonl").exists()
+    assert main([*squad, "--data.max_seq_length", "64"]) == 0  # the corrected command, into the same folder
+    assert json.loads((out / "final" / "task.json").read_text())["max_seq_length"] == 64
+
+    rte = write_rte_like(tmp_path / "RTE", n_train=8, n_dev=4, n_test=2)
+    assert main(["finetune", "glue", "--task", "rte", "--data-dir", str(rte), "--init", str(tmp_path / "m64"),
+                 "--output", str(tmp_path / "g"), "--train.steps", "1", "--data.max_seq_length", "128", *TINY]) == 2
+    assert "config key 'data.max_seq_length' (128) exceeds" in capsys.readouterr().err
+    assert not (tmp_path / "g" / "final").exists()
+
+
 # ----------------------------------------------------------------------------------------------- real weights
 
 @pytest.mark.slow

@@ -148,6 +148,32 @@ def test_evaluate_command(tmp_path, capsys):
     assert str(preds) in err and "line 1" in err
 
 
+@pytest.mark.parametrize("data, version, message", [
+    ({"version": "1.1", "data": [{"title": "t"}]}, None, "d.json: article 0 has no 'paragraphs' list"),
+    ({"version": "1.1", "data": [{"paragraphs": [{"context": "c"}]}]}, None,
+     "d.json: article 0 paragraph 0 has no 'qas' list"),
+    ({"version": "1.1", "data": [{"paragraphs": [{"qas": [{"question": "q", "answers": []}]}]}]}, None,
+     "d.json: article 0 paragraph 0: a question without an 'id'"),
+    (_squad([{"id": "q1", "question": "who?"}]), None,
+     "d.json: question id q1: 'answers' must be a list of objects with a 'text' string"),
+    (_squad([{"id": "q1", "answers": ["cat"]}]), None,
+     "d.json: question id q1: 'answers' must be a list of objects with a 'text' string"),
+    (_squad(V2_QAS, "v2.0"), "1.1", "question id n1 has no gold answers (an unanswerable SQuAD v2.0 question): "
+                                    "evaluate-v1.1.py cannot score it; score the file as v2.0 (--version 2.0)"),
+])
+def test_evaluate_refuses_a_malformed_data_file_in_one_line(tmp_path, capsys, data, version, message):
+    """Before: a KeyError traceback and exit 1 ('please report it') for a data file without the nesting the
+    official scripts read; 'max() arg is an empty sequence' for v2.0 data scored as v1.1."""
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    (tmp_path / "p.json").write_text(json.dumps({"q1": "cat", **V2_PREDS}))
+    argv = ["evaluate", "squad", "--data", str(tmp_path / "d.json"), "--predictions", str(tmp_path / "p.json"),
+            "--output", str(tmp_path / "scores.json")]
+    assert main(argv + (["--version", version] if version else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "scores.json").exists()
+
+
 # ----------------------------------------------------------------------------------------------- GLUE
 
 PREDS = [1, 1, 0, 0, 1, 0, 1, 1]

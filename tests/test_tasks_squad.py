@@ -236,6 +236,33 @@ def test_postprocess_v2_null_answer(tiny_tok):
     assert preds["q1"] == "fox"
 
 
+@pytest.mark.parametrize("context, answer", [
+    ("The letter was written by Jose\u0301 Marti\u0301 in Havana.", "Jose\u0301 Marti\u0301"),  # NFD text
+    ("\u0930\u093e\u091c\u0927\u093e\u0928\u0940 \u0926\u093f\u0932\u094d\u0932\u0940 \u0939\u0948",
+     "\u0939\u0948"),  # Devanagari: the word's final vowel sign (U+0948) is a nonspacing mark
+])
+def test_an_answer_keeps_the_combining_marks_after_its_last_letter(tiny_tok, context, answer):
+    """An uncased tokenizer strips accents, so a token's offsets stop before a combining mark that follows its
+    last letter; the answer must still be the context's text (before: 'Jose\u0301 Marti', exact match 0)."""
+    from bertrain.tasks.metrics import evaluate_squad
+
+    ex, feats = _one_window(tiny_tok, context)
+    L = feats["input_ids"].shape[1]
+    c0, c1 = context.index(answer), context.index(answer) + len(answer)
+    offs = feats["offsets"][0]
+    s = int(np.flatnonzero(offs[:, 0] == c0)[0])
+    e = int(np.flatnonzero((offs[:, 0] >= 0) & (offs[:, 1] <= c1))[-1])
+    assert offs[e, 1] < c1  # the tokenizer's own span stops before the mark: what this test is about
+    start, end = np.zeros((1, L), np.float32), np.zeros((1, L), np.float32)
+    start[0, s], end[0, e] = 5.0, 5.0
+    for v2 in (False, True):
+        preds, nbest, _ = postprocess_predictions([ex], feats, start, end, SquadPostprocessConfig(), v2)
+        assert preds["q1"] == answer
+        assert (nbest["q1"][0]["char_start"], nbest["q1"][0]["char_end"]) == (c0, c1)
+    dataset = squad(context, [{"id": "q1", "question": "who?", "answers": [{"text": answer, "answer_start": c0}]}])
+    assert evaluate_squad(dataset, preds, version="1.1") == {"exact_match": 100.0, "f1": 100.0}
+
+
 def test_postprocess_null_score_is_min_over_windows(tiny_tok):
     context = " ".join(f"w{i}" for i in range(80))
     ex = SquadExample("q1", "who?", context, [])

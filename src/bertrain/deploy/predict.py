@@ -36,6 +36,7 @@ from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
                                   postprocess_predictions)
+from bertrain.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Predictor:
         self.backend = open_backend(backend, self.model_dir, task, self.device)
         self.tok = load_task_tokenizer(self.model_dir)
         self.batch_size = batch_size
-        self.max_seq_length = max_seq_length or int(meta.get("max_seq_length", 384 if task == "qa" else 128))
+        self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task)
         self.labels: list[str] | None = meta.get("labels")
         self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
         self.throughput = Throughput()
@@ -128,8 +129,9 @@ class Predictor:
             # may carry the same user id (their answers would be mixed). The user's id goes back on the output.
             examples.append(SquadExample(str(i), q, c, []))
         t0 = time.perf_counter()
+        # without task.json, Google's 64 question tokens, or half the window where the model's positions cap it
         fcfg = SquadFeatureConfig(self.max_seq_length, int(self.meta.get("doc_stride", 128)),
-                                  int(self.meta.get("max_query_length", 64)))
+                                  int(self.meta.get("max_query_length", min(64, self.max_seq_length // 2))))
         feats = build_features(examples, self.tok, fcfg, is_training=False)
         start, end = self._forward(feats, TASK_OUTPUTS["qa"])
         pcfg = SquadPostprocessConfig(n_best_size, max_answer_length, null_score_diff_threshold)
@@ -200,6 +202,36 @@ class Predictor:
     def _count(self, n: int, seconds: float) -> None:
         self.throughput.examples += n
         self.throughput.seconds += seconds
+
+
+def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any], task: str) -> int:
+    """Tokens per input: `requested` (--max-seq-length), else task.json's, else 384 (QA) / 128, never more than the
+    model's positions. Checked here because the model only fails on the first input that is that long (a batch
+    of a stream, or a request that the server then blames on its client); the default without task.json is
+    capped to the positions (a 128-position model answers long contexts in 128-token windows), and so is a
+    task.json value written by a fine-tuning run that never met an input that long."""
+    positions = None
+    try:
+        positions = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # the backend reads config.json itself and says what is wrong with it
+    if requested is not None and requested < 1:
+        raise UserError(f"--max-seq-length must be >= 1, got {requested}")
+    if requested is None and "max_seq_length" not in meta:
+        default = 384 if task == "qa" else 128
+        return min(default, positions) if positions else default
+    if requested is None:
+        length = int(meta["max_seq_length"])
+        if positions is not None and length > positions:  # a run that never met a long enough input wrote it
+            log.warning("max_seq_length in %s is %d, more than the %d positions of the model: using %d",
+                        model_dir / TASK_FILE, length, positions, positions)
+            return positions
+        return length
+    if positions is not None and requested > positions:
+        raise UserError(f"--max-seq-length is {requested}, more than the {positions} positions of the model in "
+                        f"{model_dir} (max_position_embeddings in config.json): use --max-seq-length {positions} "
+                        "or less")
+    return requested
 
 
 # ----------------------------------------------------------------------------------------------- input files

@@ -8,6 +8,7 @@ resume are `bertrain.train.trainer.Trainer`'s, exactly as in pretraining. Evalua
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -197,6 +198,23 @@ def load_model(kind: str, path: str | Path, num_labels: int = 2) -> nn.Module:
     return BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
 
 
+def check_length_fits_model(init: str, max_seq_length: int) -> None:
+    """Refuse a `data.max_seq_length` beyond the positions of the model to fine-tune, before any work. Otherwise
+    the run builds every feature (minutes on SQuAD), fails at the first batch holding a window that long, and
+    leaves a folder the corrected command refuses as a run to resume; or, when no input is that long, exports a
+    task.json whose length the model cannot take."""
+    from bertrain.model.hf import resolve_model_dir
+
+    try:
+        config = json.loads((resolve_model_dir(init) / "config.json").read_text(encoding="utf-8"))
+        positions = int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # load_model names what is wrong with the folder
+    if max_seq_length > positions:
+        raise ValueError(f"config key 'data.max_seq_length' ({max_seq_length}) exceeds the max_position_embeddings "
+                         f"({positions}) of the model to fine-tune ({init}): use {positions} or less")
+
+
 DevEval = Callable[[nn.Module, DistInfo, Precision], dict[str, float]]
 
 
@@ -307,7 +325,7 @@ def _article_slice(spec: str, key: str) -> slice:
 
 def _subset_squad_file(path: str, spec: str, key: str, out_dir: Path, name: str) -> tuple[str, dict]:
     """The SQuAD file restricted to some articles: (path of the file to read, its parsed JSON)."""
-    data = load_dataset_json(path)
+    data = load_dataset_json(path, scoring=name == "dev")
     if not spec:
         return path, data
     sub = dict(data)
@@ -329,6 +347,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     d = cfg.data
     fcfg = SquadFeatureConfig(d.max_seq_length, d.doc_stride, d.max_query_length)
     v2 = d.version_2_with_negative
+    check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite):
         out_dir = _start(cfg, dist)
@@ -447,6 +466,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     """Fine-tune and/or evaluate on a GLUE task; rank 0 writes eval_results.json and the test submission."""
     d = cfg.data
     task = get_task(d.task)
+    check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite):
         out_dir = _start(cfg, dist)

@@ -108,6 +108,10 @@ def evaluate_v1(dataset: list[dict[str, Any]], predictions: Mapping[str, str]) -
                     missing.append(qa["id"])
                     continue
                 ground_truths = [x["text"] for x in qa["answers"]]
+                if not ground_truths:  # the script's max() over no answers: a ValueError without a word of why
+                    raise ValueError(f"question id {qa['id']} has no gold answers (an unanswerable SQuAD v2.0 "
+                                     "question): evaluate-v1.1.py cannot score it; score the file as v2.0 "
+                                     "(--version 2.0)")
                 prediction = predictions[qa["id"]]
                 exact_match += metric_max_over_ground_truths(exact_match_score_v1, prediction, ground_truths)
                 f1 += metric_max_over_ground_truths(f1_score_v1, prediction, ground_truths)

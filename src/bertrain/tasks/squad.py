@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -395,6 +396,16 @@ def _softmax(x: list[float]) -> list[float]:
     return (e / e.sum()).tolist()
 
 
+def _mark_end(context: str, end: int) -> int:
+    """`end` moved past the combining marks (category Mn) right after it. An uncased tokenizer strips accents
+    (NFD, then drops Mn), and a token's offsets then stop before a mark that followed its last letter: 'José' in
+    decomposed form (NFD, as in Vietnamese or macOS text) gave the answer 'Jose', a Devanagari word lost its final
+    vowel sign. A mark belongs to the letter before it, so the answer keeps it; a no-op where tokens keep marks."""
+    while end < len(context) and unicodedata.category(context[end]) == "Mn":
+        end += 1
+    return end
+
+
 def postprocess_predictions(examples: list[SquadExample], feats: SquadFeatures, start_logits: np.ndarray,
                             end_logits: np.ndarray, cfg: SquadPostprocessConfig, version_2_with_negative: bool,
                             ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]], dict[str, float]]:
@@ -429,7 +440,7 @@ def postprocess_predictions(examples: list[SquadExample], feats: SquadFeatures, 
                 for e in ends:
                     if offs[e, 0] < 0 or e < s or e - s + 1 > cfg.max_answer_length:
                         continue
-                    c0, c1 = int(offs[s, 0]), int(offs[e, 1])
+                    c0, c1 = int(offs[s, 0]), _mark_end(ex.context, int(offs[e, 1]))
                     prelim.append((float(s_log[s]), float(e_log[e]), ex.context[c0:c1], c0, c1))
         if version_2_with_negative:  # the null answer competes with the spans for a place in the n-best
             prelim.append((null_start, null_end, "", -1, -1))
@@ -509,10 +520,30 @@ def write_prediction_files(output_dir: str | os.PathLike, predictions: dict[str,
         atomic_write_json(output_dir / "null_odds.json", null_odds)
 
 
-def load_dataset_json(path: str | os.PathLike) -> dict[str, Any]:
+def load_dataset_json(path: str | os.PathLike, scoring: bool = True) -> dict[str, Any]:
     """The raw parsed SQuAD file (for the official evaluation), with a clear error on malformed JSON; the Hub's
-    layouts (`squad_layout`) give the JSON structure of their rows."""
+    layouts (`squad_layout`) give the JSON structure of their rows.
+
+    The nesting the official scripts read is checked: articles with 'paragraphs', paragraphs with 'qas', questions
+    with an 'id' and (`scoring`: the file is to score predictions against) an 'answers' list of objects with a
+    'text' string. A file without them is a `ValueError` naming the file and the question, where the scripts (and
+    before this check, `bertrain evaluate`) stopped with a KeyError traceback."""
     data = _load_squad(Path(path))
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise ValueError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
+    for ai, article in enumerate(data["data"]):
+        if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
+            raise ValueError(f"{path}: article {ai} has no 'paragraphs' list")
+        for pi, para in enumerate(article["paragraphs"]):
+            qas = para.get("qas") if isinstance(para, dict) else None
+            if not isinstance(qas, list):
+                raise ValueError(f"{path}: article {ai} paragraph {pi} has no 'qas' list")
+            for qa in qas:
+                if not isinstance(qa, dict) or not isinstance(qa.get("id"), str) or not qa["id"]:
+                    raise ValueError(f"{path}: article {ai} paragraph {pi}: a question without an 'id'")
+                answers = qa.get("answers")
+                if scoring and (not isinstance(answers, list) or
+                                not all(isinstance(a, dict) and isinstance(a.get("text"), str) for a in answers)):
+                    raise ValueError(f"{path}: question id {qa['id']}: 'answers' must be a list of objects with a "
+                                     f"'text' string ([] for an unanswerable question), got {answers!r:.80}")
     return data
