@@ -372,6 +372,27 @@ def test_a_tokenizer_saved_by_transformers_5_gives_the_converted_folder_its_voca
             hf(text, add_special_tokens=False)["input_ids"], text
 
 
+@pytest.mark.parametrize("lower", [True, False])
+def test_fine_tuning_reads_the_tokenizer_of_a_folder_transformers_5_saved(tmp_path, lower):
+    """`bertrain finetune --init` / predict on such a folder as it is (before: "has no vocab.txt"): the vocabulary
+    and casing of its tokenizer.json, the same ids and identity as the converted folder's vocab.txt."""
+    from bertrain.tasks.common import load_task_tokenizer
+
+    src = _saved_by_transformers_tokenizer(tmp_path, lower)
+    assert main(["convert", str(src), str(tmp_path / "converted")]) == 0
+    ours, converted = load_task_tokenizer(src), load_task_tokenizer(tmp_path / "converted")
+    hf = transformers.AutoTokenizer.from_pretrained(src)
+    assert ours.do_lower_case is lower and ours.identity == converted.identity
+    for text in ["Hello world, the Cat sat on the mat!", "unaffable Café cats.", "HELLO hello Hello"]:
+        ids = ours.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == converted.tokenizer.encode(text, add_special_tokens=False).ids == \
+            hf(text, add_special_tokens=False)["input_ids"], text
+
+    other = _saved_by_transformers_tokenizer(tmp_path / "other", True, strip_accents=False)
+    with pytest.raises(ValueError, match="has no vocab.txt .*, and its tokenizer.json sets its BertNormalizer"):
+        load_task_tokenizer(other)
+
+
 def test_a_tokenizer_json_bertrain_cannot_reproduce_gives_no_vocab_and_says_so(tmp_path, capsys, caplog):
     # lower-casing without stripping accents: bertrain's tokenizer (vocab.txt + do_lower_case) strips them, so a
     # vocab.txt taken from it would tokenize "café" otherwise than the model's tokenizer.

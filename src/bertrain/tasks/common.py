@@ -10,7 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bertrain.model.hf import resolve_model_dir
+from bertrain.data.tokenizer import vocab_lines
+from bertrain.model.hf import resolve_model_dir, vocab_from_tokenizer_json
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -57,18 +58,27 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
     """
     model_dir = resolve_model_dir(model_dir)
     vocab = model_dir / "vocab.txt"
-    if not vocab.is_file():
-        raise ValueError(f"model folder {model_dir} has no vocab.txt (needed for the tokenizer)")
+    if vocab.is_file():
+        vocab_bytes, source = vocab.read_bytes(), str(vocab)
+    else:  # a folder whose tokenizer transformers >= 5 saved: tokenizer.json alone, when it is BERT's tokenizer
+        vocab_bytes, lower, why = _vocab_of_tokenizer_json(model_dir)
+        if vocab_bytes is None:
+            raise ValueError(f"model folder {model_dir} has no vocab.txt (needed for the tokenizer)"
+                             + (f", and its tokenizer.json {why}" if why else ""))
+        tokens = vocab_lines(vocab_bytes.decode("utf-8"))[:-1]  # (the text ends with a newline)
+        source = {t: i for i, t in enumerate(tokens)}
+        if do_lower_case is None:
+            do_lower_case = lower  # the casing its normalizer applies
     if do_lower_case is None:
         do_lower_case = read_do_lower_case(model_dir)
-    wp = BertWordPieceTokenizer(str(vocab), lowercase=do_lower_case, strip_accents=None, clean_text=True,
+    wp = BertWordPieceTokenizer(source, lowercase=do_lower_case, strip_accents=None, clean_text=True,
                                 handle_chinese_chars=True)
     tok = wp._tokenizer  # the underlying `tokenizers.Tokenizer`
     ids = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]")}
     missing = [t for t, i in ids.items() if i is None]
     if missing:
         raise ValueError(f"{vocab}: special tokens {missing} are not in the vocabulary")
-    h = hashlib.sha256(vocab.read_bytes())
+    h = hashlib.sha256(vocab_bytes)
     h.update(f"lower={do_lower_case}".encode())
     return TaskTokenizer(tokenizer=tok, identity=h.hexdigest(), cls_id=ids["[CLS]"], sep_id=ids["[SEP]"],
                          pad_id=ids["[PAD]"], do_lower_case=do_lower_case)
@@ -85,3 +95,11 @@ def file_sha256(path: str | os.PathLike) -> str:
 def default_cache_dir() -> Path:
     """Where feature caches go unless the config says otherwise ($BERTRAIN_CACHE or ~/.cache/bertrain)."""
     return Path(os.environ.get("BERTRAIN_CACHE", Path.home() / ".cache" / "bertrain")) / "features"
+
+
+def _vocab_of_tokenizer_json(model_dir: Path) -> tuple[bytes | None, bool | None, str]:
+    """(vocab.txt bytes, lower-cases, why not) of the folder's tokenizer.json (`vocab_from_tokenizer_json`)."""
+    tokenizer_json, config = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    if not tokenizer_json.is_file():
+        return None, None, ""
+    return vocab_from_tokenizer_json(tokenizer_json.read_bytes(), config.read_bytes() if config.is_file() else None)
