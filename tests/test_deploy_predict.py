@@ -86,3 +86,26 @@ def test_the_sequence_length_never_exceeds_the_models_positions(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("bertrain predict: error: --max-seq-length is 128, more than the 64 positions")
     assert "Traceback" not in "\n".join(err)
+
+
+def test_a_folder_without_task_json_shows_the_label_names_of_its_config(tmp_path):
+    """A classifier fine-tuned with transformers has its label names in config.json's id2label (no task.json):
+    predict shows them, as transformers' pipeline does (before: the indices "0", "1"); transformers' placeholders
+    LABEL_0, LABEL_1 still show as the indices."""
+    import json
+
+    from bertrain.deploy.predict import Predictor
+    from bertrain.model.bert import BertForSequenceClassification
+
+    folder = _tiny_model(BertForSequenceClassification, tmp_path / "cls", positions=64)
+    config = json.loads((folder / "config.json").read_text())
+    assert not (folder / "task.json").exists() and config["id2label"] == {"0": "LABEL_0", "1": "LABEL_1"}
+    (plain,) = Predictor(folder).predict([{"text": "the cat sat"}])
+    assert set(plain["probabilities"]) == {"0", "1"}
+
+    config["id2label"] = {"0": "NEGATIVE", "1": "POSITIVE"}
+    config["label2id"] = {"NEGATIVE": 0, "POSITIVE": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    (named,) = Predictor(folder).predict([{"text": "the cat sat"}])
+    assert named["probabilities"] == {"NEGATIVE": plain["probabilities"]["0"], "POSITIVE": plain["probabilities"]["1"]}
+    assert named["label"] == {"0": "NEGATIVE", "1": "POSITIVE"}[plain["label"]]

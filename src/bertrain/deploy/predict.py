@@ -6,7 +6,8 @@
 
 The model folder is what `bertrain finetune` exports (`OUTPUT/final`, HF format) or any HF folder with a QA or
 classification head. `task.json`, written beside the weights by the fine-tuning run, supplies the label names and
-the feature settings; without it, the head in config.json decides the task and labels are the class indices.
+the feature settings; without it, the head in config.json decides the task, and the labels are config.json's
+id2label names (a model fine-tuned with transformers) or, where it has only LABEL_0, LABEL_1, ..., the indices.
 
 The forward pass is a backend (`bertrain.deploy.backends`): PyTorch on the model folder, or ONNX Runtime on the folder
 `bertrain export --format onnx` writes (`Predictor(onnx_dir, backend="onnxruntime")`). Tokenisation, batching and
@@ -82,7 +83,7 @@ class Predictor:
         self.tok = load_task_tokenizer(self.model_dir)
         self.batch_size = batch_size
         self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task)
-        self.labels: list[str] | None = meta.get("labels")
+        self.labels: list[str] | None = meta.get("labels") or _named_labels(self.model_dir)
         self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
         self.throughput = Throughput()
 
@@ -190,7 +191,8 @@ class Predictor:
                 p = np.exp(row - row.max())
                 p /= p.sum()
                 k = int(p.argmax())
-                names = self.labels or [str(j) for j in range(len(p))]
+                names = self.labels if self.labels and len(self.labels) == len(p) else \
+                    [str(j) for j in range(len(p))]
                 rec.update(label=names[k], score=float(p[k]),
                            probabilities={names[j]: float(p[j]) for j in range(len(p))})
             out.append(rec)
@@ -202,6 +204,19 @@ class Predictor:
     def _count(self, n: int, seconds: float) -> None:
         self.throughput.examples += n
         self.throughput.seconds += seconds
+
+
+def _named_labels(model_dir: Path) -> list[str] | None:
+    """The label names config.json's id2label gives (a model fine-tuned with transformers, e.g. NEGATIVE/POSITIVE),
+    None where it has none or only transformers' placeholders LABEL_0, LABEL_1, ... (then the indices are shown)."""
+    try:
+        id2label = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("id2label")
+        names = [str(id2label[k]) for k in sorted(id2label, key=int)] if isinstance(id2label, dict) else []
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if not names or names == [f"LABEL_{i}" for i in range(len(names))] or len(set(names)) != len(names):
+        return None
+    return names
 
 
 def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any], task: str) -> int:
