@@ -109,3 +109,23 @@ def test_a_folder_without_task_json_shows_the_label_names_of_its_config(tmp_path
     (named,) = Predictor(folder).predict([{"text": "the cat sat"}])
     assert named["probabilities"] == {"NEGATIVE": plain["probabilities"]["0"], "POSITIVE": plain["probabilities"]["1"]}
     assert named["label"] == {"0": "NEGATIVE", "1": "POSITIVE"}[plain["label"]]
+
+
+def test_predict_says_how_many_inputs_were_cut_to_the_sequence_length(tmp_path, capsys):
+    """A classification input longer than max_seq_length is cut (as in fine-tuning): predict says how many were,
+    instead of classifying the first tokens of a long document silently."""
+    import json
+
+    from bertrain.cli import main
+    from bertrain.model.bert import BertForSequenceClassification
+
+    folder = _tiny_model(BertForSequenceClassification, tmp_path / "cls", positions=64)
+    items = tmp_path / "in.jsonl"
+    long = " ".join(["the cat sat on the mat ."] * 10)  # 70 tokens
+    items.write_text("\n".join(json.dumps(x) for x in [
+        {"text": "the cat sat"}, {"text": long}, {"text": "a dog", "text_pair": long}, {"text": "short", "text_pair": "a"}]))
+    assert main(["predict", "--model", str(folder), "--input", str(items), "--max-seq-length", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "2 of 4 inputs were longer than 32 tokens: the model read their first 32" in err
+    assert main(["predict", "--model", str(folder), "--text", "the cat sat", "--text-pair", "on the mat"]) == 0
+    assert "longer than" not in capsys.readouterr().err

@@ -114,4 +114,8 @@ def run(args: argparse.Namespace) -> int:
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} examples in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
           f"batch size {args.batch_size}, {p.task}, {args.backend})", file=sys.stderr)
+    if tp.truncated:
+        print(f"bertrain predict: {tp.truncated} of {tp.examples} inputs were longer than {p.max_seq_length} tokens: "
+              f"the model read their first {p.max_seq_length} (pairs: cut longest first, as in fine-tuning); "
+              "--max-seq-length sets it, up to the model's positions", file=sys.stderr)
     return 0

@@ -48,6 +48,8 @@ TASK_FILE = "task.json"
 class Throughput:
     examples: int = 0
     seconds: float = 0.0
+    truncated: int = 0
+    """Classification inputs longer than max_seq_length: the model read only their first tokens (as in training)."""
 
     @property
     def per_second(self) -> float:
@@ -177,6 +179,7 @@ class Predictor:
         finally:
             t.no_truncation()
             t.no_padding()
+        self.throughput.truncated += sum(1 for e in encs if e.overflowing)  # said, not silent (a long document)
         feats = {"input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
                  "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
                  "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64)}
