@@ -215,8 +215,10 @@ def test_a_checkpoint_saved_before_the_move_resumes_without_bogus_changes(tmp_pa
 def test_batch_arithmetic() -> None:
     t = TrainConfig(steps=1, global_batch_size=256, micro_batch_size=32)
     assert [resolve_batch(t, w).accumulation for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    with pytest.raises(ValueError, match="train.global_batch_size.*train.micro_batch_size"):
+    with pytest.raises(ValueError, match="train.global_batch_size.*train.micro_batch_size.*change one of them$"):
         resolve_batch(t, 3)  # 256 is not a multiple of 32 x 3
+    with pytest.raises(ValueError, match=r"\(16\) must be .* = 64; change one of them \(e.g. --train.micro_batch_size 8\)"):
+        resolve_batch(TrainConfig(steps=1, global_batch_size=16), 2)  # below the default micro batch x ranks
     with pytest.raises(ValueError, match="train.accumulation"):
         resolve_batch(TrainConfig(steps=1, global_batch_size=256, micro_batch_size=32, accumulation=3), 1)
     assert resolve_batch(TrainConfig(steps=1, micro_batch_size=8, accumulation=3), 2).global_batch_size == 48
