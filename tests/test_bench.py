@@ -60,3 +60,20 @@ def test_flop_formula():
     fwd = L * 2 * (4 * H * H + 2 * H * I) * 128 + L * 4 * H * 128 ** 2 + 2 * (H * H + H * V) * 20 + 2 * (H * H + 2 * H)
     assert model_flops(cfg, n, "pretrain", masked_tokens=20) == 3 * fwd
     assert model_flops(cfg, n, "inference") == fwd - 2 * (H * H + H * V) * 20 - 2 * (H * H + 2 * H) + 4 * H * 128
+
+
+def test_bad_options_are_refused_in_one_line_before_any_timing(capsys):
+    """Before: --device foo / mps and --threads -1 ended in a torch traceback (exit 1); --threads 0, --warmup -2 and
+    --min-len-frac 5 ran silently with torch's threads, no warmup, and every sequence at full length."""
+    cases = {("--device", "foo"): "--device 'foo': expected cpu, cuda or cuda:N",
+             ("--device", "mps"): "--device 'mps': the bench runs on cpu or cuda[:N] only",
+             ("--threads", "-1"): "--threads must be >= 1, got -1",
+             ("--threads", "0"): "--threads must be >= 1, got 0",
+             ("--warmup", "-2"): "--warmup must be >= 0, got -2",
+             ("--min-len-frac", "5"): "--min-len-frac must be in [0, 1]",
+             ("--min-len-frac", "-0.1"): "--min-len-frac must be in [0, 1]"}
+    for args, message in cases.items():
+        rc = main(["bench", "--model", "tiny", "--steps", "1", *args])
+        err = capsys.readouterr().err
+        assert rc == 2, args
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, (args, err)

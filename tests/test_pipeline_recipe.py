@@ -272,3 +272,31 @@ def test_stages_are_grouped_for_the_trackers_under_the_recipe_unless_it_says_oth
     assert (tune.metrics.group, tune.metrics.run_name) == ("pydoc-small", "finetune-x-pretrained-s1")
     mine = load_recipe(Path("configs/recipes/pydoc-small.yaml"), ["pretrain.metrics.group=sweep-7"])
     assert pretrain_config(mine, 2, tmp_path, tmp_path / "v.txt", tmp_path / "data", None).metrics.group == "sweep-7"
+
+
+def test_a_redo_names_the_nested_key_that_changed_not_a_cut_section(tmp_path):
+    """The reason of a redone evaluate/report/random-init stage (shown by --dry-run and the log). Before, a nested
+    section was cut at 40 characters on both sides: `recipe: {'name': 'pydoc-small', 'description'... ->
+    {'name': 'pydoc-small', 'description'...`, the same text twice, and the key that changed unsaid."""
+    from bertrain.pipeline.stages import _what_changed
+
+    def stages(overrides: list[str]) -> dict:
+        recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path / 'run'}"] + overrides)
+        return {s.name: s for s in build_stages(recipe)}
+
+    base = stages([])
+    cases = {"report.title=Mine": {"report": "recipe.report.title: '' -> 'Mine'"},
+             "finetune[0].seeds=[1,2,3,4]": {"evaluate": "tasks[0][2]: [1, 2, 3] -> [1, 2, 3, 4]",
+                                             "report": "recipe.finetune[0].seeds: [1, 2, 3] -> [1, 2, 3, 4]"},
+             "pretrain.model.hidden_size=64": {
+                 "finetune-pydoc-topics-random-s1": "random_init.model.hidden_size: 128 -> 64",
+                 "report": "recipe.pretrain.model.hidden_size: 128 -> 64"}}
+    for override, expected in cases.items():
+        other = stages([override])
+        for name, reason in expected.items():
+            assert _what_changed(base[name].parts, other[name].parts).split("; ")[0] == reason, (override, name)
+    # a list of sections that grows: the new element's keys and the length, not a cut list
+    (task,) = yaml.safe_load(DEFAULT.read_text())["finetune"]
+    two = stages(["finetune=" + yaml.safe_dump([task, {**task, "name": "again"}])])
+    assert _what_changed(base["report"].parts, two["report"].parts).startswith(
+        "recipe.finetune (length): 1 -> 2; recipe.finetune[1].config.data.max_seq_length: None -> 64; ")

@@ -171,3 +171,72 @@ def test_f1s_chance_level_is_always_predicting_the_positive_class(tmp_path):
         "always positive"
     # F1 0.85 vs 0.80 with chance 0.857: both within 5 points of what "always positive" scores
     assert v["outcome"] == INCONCLUSIVE and v["reason"].startswith("both at chance")
+
+
+def test_a_score_that_is_not_a_number_is_inconclusive_never_a_loss(tmp_path):
+    """Pearson of constant (or NaN) predictions is NaN. Before: the NaN interval failed `lo <= 0 <= hi`, and the
+    verdict read "pretraining hurts" (a NaN pretrained side: also "hurts", since NaN > 0 is false)."""
+    nan = float("nan")
+    v = decide([0.80, 0.82], [nan, nan], 0.0, "no correlation")
+    assert v.outcome == INCONCLUSIVE and v.reason == "2 random-init seeds scored no number (NaN or inf)"
+    assert v.interval is None and v.difference is None and v.method is None
+    v = decide([nan, 0.82, 0.81], [0.10, 0.12], 0.0, "no correlation")
+    assert v.outcome == INCONCLUSIVE and v.reason == "1 pretrained seed scored no number (NaN or inf)"
+    v = decide([0.5, float("inf")], [nan, 0.1], 0.0)
+    assert v.outcome == INCONCLUSIVE and v.reason == ("1 pretrained seed and 1 random-init seed scored no number "
+                                                      "(NaN or inf)")
+
+    # end to end: STS-B whose random-init runs predicted a constant, through results.json to the report's line
+    recipe = glue_recipe(tmp_path, "stsb", [1, 2])
+    write_run(tmp_path, "stsb", "stsb", {"pretrained": [0.80, 0.82], "random": [nan, nan]}, pearson=None,
+              spearmanr=0.5)
+    results = json.loads(json.dumps(summarize(recipe, tmp_path)))  # as results.json holds it
+    (v,) = results["tasks"][0]["verdicts"]
+    assert (v["metric"], v["outcome"], v["interval"], v["difference"]) == ("pearson", INCONCLUSIVE, None, None)
+    (line,) = _verdict(results)
+    assert line.startswith("stsb (pearson): inconclusive (2 random-init seeds scored no number (NaN or inf)); ")
+    assert "hurts" not in line and "helps" not in line and line.endswith("chance 0.0 (no correlation)")
+    # the spread over seeds: NaN throughout, counted (before: statistics.stdev raised AttributeError and the
+    # evaluate stage, after every fine-tuning run, ended in a traceback)
+    (m,) = [m for m in results["tasks"][0]["metrics"] if m["metric"] == "pearson"]
+    rnd, pre = m["by_init"]["random"], m["by_init"]["pretrained"]
+    assert rnd["not_finite"] == 2 and all(math.isnan(rnd[k]) for k in ("mean", "std", "min", "max"))
+    assert pre["mean"] == pytest.approx(0.81) and pre["std"] == pytest.approx(0.0141421, rel=1e-5)
+    assert "not_finite" not in pre
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "results.json").write_text(json.dumps(results))
+    write_report(recipe, tmp_path, [], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert ("| stsb | dev | pearson | 81.0 ± 1.4 (80.0–82.0, n=2) | no number: 2 of 2 seeds scored NaN or inf |"
+            in md)
+
+
+def test_one_seed_in_the_results_table_has_no_spread_not_a_spread_of_zero(tmp_path):
+    """Before: "2.9 ± 0.0 (2.9–2.9, n=1)", a spread of zero claimed for a single seed."""
+    recipe = glue_recipe(tmp_path, "stsb", [1])
+    write_run(tmp_path, "stsb", "stsb", {"pretrained": [0.029], "random": [0.019]}, pearson=None, spearmanr=0.01)
+    results = json.loads(json.dumps(summarize(recipe, tmp_path)))
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "results.json").write_text(json.dumps(results))
+    write_report(recipe, tmp_path, [], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| stsb | dev | pearson | 2.9 (n=1: no spread) | 1.9 (n=1: no spread) | — | — |" in md
+    assert "± 0.0" not in md
+
+
+def test_the_results_plot_shows_scores_below_zero(monkeypatch):
+    """A random-init MCC of -0.08 (CoLA, a model that learned nothing): before, the y axis started at 0 and hid it."""
+    from bertrain.pipeline import report
+
+    figures = []
+    monkeypatch.setattr(report, "_svg", lambda fig: figures.append(fig) or "")
+    spread = lambda v: {"seeds": {str(i): x for i, x in enumerate(v)}, "mean": sum(v) / len(v), "std": 0.01,  # noqa
+                        "min": min(v), "max": max(v)}
+    task = {"name": "cola", "kind": "glue", "metrics": [{"split": "dev", "metric": "mcc", "majority_baseline": None,
+            "paper": None, "by_init": {"pretrained": spread([0.12, 0.10]), "random": spread([-0.08, -0.02])}}]}
+    report.results_svg(task)
+    (ax,) = figures[0].axes
+    assert ax.get_ylim()[0] <= -8.0  # percent
+    task["metrics"][0]["by_init"]["random"] = spread([0.01, 0.02])
+    report.results_svg(task)
+    assert figures[1].axes[0].get_ylim()[0] == 0.0  # non-negative scores: the axis still starts at zero

@@ -58,12 +58,28 @@ class BenchConfig:
             raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(DTYPES)}")
         if self.compare not in (None, "hf"):
             raise ValueError(f"--compare {self.compare!r}: only 'hf' is supported")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        try:  # torch's own error is a RuntimeError listing twenty device types: a traceback, exit 1
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device {self.device!r}: expected cpu, cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):  # the bench syncs and measures memory on these two only
+            raise ValueError(f"--device {self.device!r}: the bench runs on cpu or cuda[:N] only")
+        if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
         if self.batch_size < 1 or (self.seq_len is not None and self.seq_len < 8):
             raise ValueError("--batch-size must be >= 1 and --seq-len >= 8")
         if self.steps is not None and self.steps < 1:
             raise ValueError("--steps must be >= 1")
+        if self.warmup is not None and self.warmup < 0:  # range(-2) would silently time cold steps
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.threads is not None and self.threads < 1:  # 0 was silently ignored, < 0 a torch traceback
+            raise ValueError(f"--threads must be >= 1, got {self.threads} (leave it out for torch's default)")
+        if not 0.0 <= self.min_len_frac <= 1.0:  # above 1 every sequence silently had the full length T
+            raise ValueError(f"--min-len-frac must be in [0, 1] (lengths ~ U[ceil(FRAC*T), T]), got "
+                             f"{self.min_len_frac}")
         if self.optimizer not in ("lamb", "adamw"):
             raise ValueError(f"--optimizer {self.optimizer!r}: choose lamb or adamw")
 

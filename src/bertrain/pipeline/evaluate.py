@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,14 @@ def _primary(task: str) -> str:
 
 
 def _spread(values: dict[str, float]) -> dict[str, Any]:
+    """Mean, sample sd, min and max over seeds. A seed that scored NaN or inf (e.g. the Pearson correlation of
+    constant predictions) makes every one of them NaN — `statistics.stdev` raised AttributeError on it, and min/max
+    depended on the order of the seeds — and `not_finite` counts such seeds."""
     v = list(values.values())
+    bad = sum(not math.isfinite(x) for x in v)
+    if bad:
+        return {"seeds": values, "mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan,
+                "not_finite": bad}
     return {"seeds": values, "mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0,
             "min": min(v), "max": max(v)}
 

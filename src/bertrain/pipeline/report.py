@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import os
 import platform
 import sys
@@ -281,7 +282,11 @@ def results_svg(task: dict[str, Any]) -> str:
             ax.axhline(scale * m["paper"], color="green", ls=":", lw=1.5, label=f"BERT-{m['paper_model']} (paper)")
         ax.set_xticks(range(len(inits)), [f"{i}\n({len(m['by_init'][i]['seeds'])} seeds)" for i in inits])
         ax.set_title(f"{task['name']}: {m['metric']} ({m['split']})", fontsize=10)
-        ax.set_ylim(bottom=0)
+        # from zero, or lower: a correlation (MCC, Pearson) of a model that learned nothing may be below zero, and
+        # a floor at 0 hid those bars and seeds (NaN or inf scores, from a constant prediction, are not drawn)
+        low = min([0.0] + [scale * v for s in m["by_init"].values() for v in s["seeds"].values()
+                           if math.isfinite(v)])
+        ax.set_ylim(bottom=low * 1.1 if low < 0 else 0)
         ax.grid(axis="y", alpha=0.3)
         if m.get("majority_baseline") is not None or m.get("paper") is not None:
             ax.legend(fontsize=8, loc="lower right")
@@ -299,9 +304,16 @@ def _results_rows(results: dict[str, Any]) -> list[list[str]]:
             cells = [task["name"], m["split"], m["metric"]]
             for init in ("pretrained", "random"):
                 s = m["by_init"].get(init)
-                cells.append("—" if s is None else
-                             f"{_fmt(s['mean'], pct)} ± {_fmt(s['std'], pct)} "
-                             f"({_fmt(s['min'], pct)}–{_fmt(s['max'], pct)}, n={len(s['seeds'])})")
+                n = len(s["seeds"]) if s is not None else 0
+                if s is None:
+                    cells.append("—")
+                elif s.get("not_finite"):  # evaluate._spread: no mean or spread over a NaN score
+                    cells.append(f"no number: {s['not_finite']} of {n} seeds scored NaN or inf")
+                elif n == 1:  # one seed has no spread: "± 0.0" would claim a spread of zero
+                    cells.append(f"{_fmt(s['mean'], pct)} (n=1: no spread)")
+                else:
+                    cells.append(f"{_fmt(s['mean'], pct)} ± {_fmt(s['std'], pct)} "
+                                 f"({_fmt(s['min'], pct)}–{_fmt(s['max'], pct)}, n={n})")
             cells.append(_fmt(m.get("majority_baseline"), pct))
             cells.append(f"{_fmt(m['paper'], pct)} (BERT-{m['paper_model']})" if m.get("paper") is not None else "—")
             rows.append(cells)

@@ -635,10 +635,26 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
+def _leaves(value: Any, key: str, out: dict[str, Any]) -> dict[str, Any]:
+    """`value` as dotted leaf keys (a list of sections by index, `finetune[0].seeds`, and its length; a list of
+    plain values stays one value), so a reason names the key that changed, not a whole section cut at 40 characters
+    (before: `recipe: {'name': 'pydoc-small', 'description'... -> {'name': 'pydoc-small', 'description'...`)."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _leaves(v, f"{key}.{k}" if key else str(k), out)
+    elif isinstance(value, (list, tuple)) and value and any(isinstance(v, (dict, list, tuple)) for v in value):
+        for i, v in enumerate(value):
+            _leaves(v, f"{key}[{i}]", out)
+        out[f"{key} (length)"] = len(value)  # an added or removed element: named first (sorts before `[`)
+    else:
+        out[key] = value
+    return out
+
+
 def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     """A short account of how two hash parts differ: the first keys, inputs or upstream stages."""
     bits = []
-    a, b = old.get("settings", {}), new.get("settings", {})
+    a, b = _leaves(old.get("settings", {}), "", {}), _leaves(new.get("settings", {}), "", {})
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     bits += [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3]] + (
         [f"{len(keys) - 3} more keys"] if len(keys) > 3 else [])

@@ -2,6 +2,9 @@
 
 The rule (`decide`), applied in this order:
 
+0. A score that is not a number (NaN, inf: e.g. the Pearson correlation of constant or NaN predictions) on either
+   side: "inconclusive" — a mean, a spread or an interval over it is no measurement, and without this rule a NaN
+   interval failed every comparison and read as "pretraining hurts".
 1. Fewer than 2 seeds on a side: "inconclusive" — one score has no spread, so no difference can be told from the
    noise of seeds.
 2. Both sides at chance: "inconclusive". A side is *at chance* when its mean is less than 5 points of the metric
@@ -30,7 +33,8 @@ CONFIDENCE = 0.95
 
 HELPS, HURTS, INCONCLUSIVE = "pretraining helps", "pretraining hurts", "inconclusive"
 
-RULE = f"min 2 seeds a side; chance margin {CHANCE_MARGIN_POINTS:g} points; Welch {CONFIDENCE:.0%} interval"
+RULE = (f"non-finite scores inconclusive; min 2 seeds a side; chance margin {CHANCE_MARGIN_POINTS:g} points; "
+        f"Welch {CONFIDENCE:.0%} interval")
 """The rule in one line: part of the evaluate stage's hash, so a run folder scored under another rule is re-scored."""
 
 
@@ -76,6 +80,12 @@ def decide(pretrained: Sequence[float], random: Sequence[float], chance: float |
     diff = means["pretrained"] - means["random"] if p and r else None
     common = dict(seeds={"pretrained": len(p), "random": len(r)}, means=means, difference=diff,
                   confidence=confidence, chance=chance, chance_source=chance_source, margin=margin)
+    not_finite = {side: sum(not math.isfinite(x) for x in v) for side, v in (("pretrained", p), ("random-init", r))}
+    bad = [f"{n} {side} seed{'s' * (n != 1)}" for side, n in not_finite.items() if n]
+    if bad:  # rule 0: no difference, no interval over a score that is not a number
+        common.update(difference=None)
+        return Verdict(INCONCLUSIVE, f"{' and '.join(bad)} scored no number (NaN or inf)", interval=None, method=None,
+                       **common)
     if len(p) < 2 or len(r) < 2:
         if not r:
             reason = "no random-init runs to compare with"
