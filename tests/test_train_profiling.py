@@ -39,9 +39,52 @@ def test_profile_window_writes_a_trace_and_a_table_and_changes_no_number(tmp_pat
 
 def test_a_run_that_ends_inside_the_window_still_writes_it(tmp_path: Path) -> None:
     run_pretraining(_config(tmp_path / "run", 3, enabled=True, start_step=1, steps=10))
-    assert (tmp_path / "run" / "profile" / "rank0.steps2-11.top-ops.txt").is_file()
+    # named after the steps it holds, 2-3 (before: "steps2-11", steps that never ran)
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == [
+        "rank0.steps2-3.pt.trace.json", "rank0.steps2-3.top-ops.txt"]
 
 
 def test_profile_settings_that_cannot_work_are_refused_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="profile.steps"):
         _config(tmp_path, 3, steps=0)
+
+
+def _resumable(out: Path, train_steps: int, **profile):
+    cfg = _config(out, train_steps, **profile)
+    cfg.checkpoint.save_interval = 2
+    return cfg
+
+
+def test_a_run_resumed_past_the_window_profiles_after_its_own_warm_up_once(tmp_path: Path, caplog) -> None:
+    out = tmp_path / "run"
+    run_pretraining(_resumable(out, 4))  # no profile; profile.* may change on resume
+    with caplog.at_level("INFO", logger="bertrain.train.profiling"):
+        run_pretraining(_resumable(out, 8, enabled=True, start_step=1, steps=2), resume="auto",
+                        allow_config_change=True)
+    # resumed at step 4, past start_step 1: steps 6-7 (before: nothing, and nothing said)
+    assert sorted(p.name for p in (out / "profile").iterdir()) == [
+        "rank0.steps6-7.pt.trace.json", "rank0.steps6-7.top-ops.txt"]
+    assert "resumed at step 4, past profile.start_step = 1: profiling steps 6-7 instead" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bertrain.train.profiling"):  # the run has its profile: not again
+        run_pretraining(_resumable(out, 10, enabled=True, start_step=1, steps=2), resume="auto",
+                        allow_config_change=True)
+    assert len(list((out / "profile").iterdir())) == 2 and "not profiling again" in caplog.text
+
+
+def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_keeps_its_checkpoint(tmp_path: Path,
+                                                                                        caplog) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "profile").write_text("a file where the profile folder goes (or a full disk)")
+    with caplog.at_level("WARNING"):
+        result = run_pretraining(_resumable(out, 3, enabled=True, start_step=1, steps=5))
+    # before: FileExistsError out of the step loop: no step-3 checkpoint, no final/, the run lost
+    assert result.state.step == 3 and (out / "step-3").is_dir() and (out / "final" / "model.safetensors").is_file()
+    assert "could not write the profile of steps2-3" in caplog.text and "training goes on" in caplog.text
+    assert _losses(out) == _losses_of_plain(tmp_path, 3)
+
+
+def _losses_of_plain(tmp_path: Path, train_steps: int) -> list[float]:
+    run_pretraining(_resumable(tmp_path / "plain", train_steps))
+    return _losses(tmp_path / "plain")

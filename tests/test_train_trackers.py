@@ -178,3 +178,33 @@ def test_mlflow_server_run_and_a_server_that_dies_never_stops_training(tmp_path:
         result = run_pretraining(_config(tmp_path / "run2", 4, report_to=["mlflow"], mlflow_uri=url))
     assert result.state.step == 4 and (tmp_path / "run2" / "final" / "model.safetensors").is_file()
     assert "tracker mlflow" in caplog.text
+
+
+def test_a_resume_gives_the_mlflow_run_each_step_of_metrics_jsonl_once(tmp_path: Path, monkeypatch) -> None:
+    """A killed run's tracker lacks what was still queued (steps up to the checkpoint: sent now, from metrics.jsonl)
+    and has what was sent after the checkpoint (not sent twice); a tracker added on resume gets the earlier steps."""
+    import shutil
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def history(out: Path) -> list[tuple[int, float]]:
+        run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+        return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss"))
+
+    def jsonl(out: Path) -> list[tuple[int, float]]:
+        records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]  # not the config_change record
+
+    # killed after step 6 was sent, before its checkpoint: the resume from step-4 does steps 5 and 6 again
+    out = tmp_path / "killed"
+    run_pretraining(_config(out, 6, report_to=["mlflow"], mlflow_uri=uri))
+    shutil.rmtree(out / "step-6")
+    shutil.rmtree(out / "final")
+    run_pretraining(_config(out, 6, report_to=["mlflow"], mlflow_uri=uri), resume="auto")
+    assert history(out) == jsonl(out) and [s for s, _ in jsonl(out)] == [1, 2, 3, 4, 5, 6]  # before: 5, 6 twice
+
+    # the tracker's records up to the checkpoint never arrived (queued when killed; here: added on resume)
+    out = tmp_path / "added"
+    run_pretraining(_config(out, 4, report_to=[]))
+    run_pretraining(_config(out, 6, report_to=["mlflow"], mlflow_uri=uri), resume="auto", allow_config_change=True)
+    assert history(out) == jsonl(out) and len(jsonl(out)) == 6  # before: steps 5 and 6 only

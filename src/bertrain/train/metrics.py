@@ -31,15 +31,23 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines a killed run wrote after the checkpoint we resume from, so each step appears once."""
+        """Drop lines a killed run wrote after the checkpoint we resume from, so each step appears once. The file
+        is replaced whole (a full disk or a kill while it is written leaves the old one, every line intact)."""
+        from bertrain.utils.errors import writing
+        from bertrain.utils.io import atomic_write_text
+        text = self.path.read_text(encoding="utf-8")
         keep = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in text.splitlines():
             try:
                 if json.loads(line).get("step", 0) <= step:
                     keep.append(line)
-            except json.JSONDecodeError:  # a line cut by the kill
+            except (json.JSONDecodeError, AttributeError):  # a line cut by the kill
                 continue
-        self.path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+        new = "".join(k + "\n" for k in keep)
+        if new != text:
+            with writing(f"dropping the records after step {step} from {self.path}",
+                         kept=f"{self.path} is unchanged"):
+                atomic_write_text(self.path, new)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled or self._file is None:

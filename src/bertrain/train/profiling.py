@@ -5,6 +5,11 @@ The window starts after `profile.start_step` steps (compilation, allocator warm-
 over by then) and covers `profile.steps` optimizer steps; rank 0 profiles, or every rank with `profile.ranks: all`
 (each writes its own files). Profiling slows the steps it covers, so their throughput in metrics.jsonl is not the
 run's; the steps themselves compute the same numbers.
+
+A resumed run whose step is already past `profile.start_step` (profile.* may change on resume) and that has no
+profile yet profiles after `profile.start_step` steps of its own: a new process warms up again. The files name the
+steps profiled (fewer than `profile.steps` when the run ends inside the window). Writing them is best effort: a
+failure (disk full, say) is one warning, and the run goes on to its checkpoint.
 """
 from __future__ import annotations
 
@@ -34,8 +39,25 @@ class StepProfiler:
         self.prof: Any = None
         self.first = cfg.start_step  # the step count at which the window opens
         self.last = cfg.start_step + cfg.steps
+        self.begun: int | None = None  # the step count of this process's first step
+        self.done = 0  # steps completed inside the window
 
     def step_begin(self, step: int) -> None:
+        if self.begun is None:
+            self.begun = step
+            if self.active and step > self.first:  # resumed past the window's start
+                done = sorted(p.name for p in self.out.glob(f"rank{self.dist.rank}.steps*.top-ops.txt"))
+                if done:  # an earlier process of this run profiled: once is enough
+                    log.info("resumed at step %d, past profile.start_step = %d, and %s has a profile (%s): not "
+                             "profiling again (move it away to profile this run)", step, self.first, self.out,
+                             done[-1])
+                    self.active = False
+                else:  # this process warms up first
+                    log.info("resumed at step %d, past profile.start_step = %d: profiling steps %d-%d instead",
+                             step, self.first, step + self.cfg.start_step + 1,
+                             step + self.cfg.start_step + self.cfg.steps)
+                    self.first = step + self.cfg.start_step
+                    self.last = self.first + self.cfg.steps
         if not self.active or step != self.first or self.prof is not None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -52,25 +74,43 @@ class StepProfiler:
         if self.prof is None:
             return
         self.prof.step()
+        self.done = step - self.first
         if step >= self.last:
             self.finish()
 
     def finish(self) -> None:
-        """Stop and write the files (also when the run ends inside the window)."""
+        """Stop and write the files (also when the run ends inside the window); a failure is a warning."""
         if self.prof is None:
             return
+        prof, self.prof, self.active = self.prof, None, False
+        window = f"steps{self.first + 1}-{self.first + max(self.done, 1)}"  # the steps profiled
+        try:
+            self._write(prof, window)
+        except Exception as e:  # diagnostics: never the reason a run fails or loses its last checkpoint
+            log.warning("could not write the profile of %s to %s (%s: %s); training goes on without it", window,
+                        self.out, type(e).__name__, (str(e).splitlines() or [""])[0][:300])
+            if self.cuda and self.cfg.memory:
+                try:
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                except Exception:  # noqa: BLE001 - already warned
+                    pass
+
+    def _write(self, prof: Any, window: str) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-        self.prof.__exit__(None, None, None)
+        prof.__exit__(None, None, None)
         self.out.mkdir(parents=True, exist_ok=True)
-        rank, window = self.dist.rank, f"steps{self.first + 1}-{self.last}"
+        rank = self.dist.rank
         # *.pt.trace.json: the name TensorBoard's profiler plugin looks for; chrome://tracing and Perfetto read it too
         trace = self.out / f"rank{rank}.{window}.pt.trace.json"
         partial = trace.with_name(f".{trace.name}.partial")
-        self.prof.export_chrome_trace(str(partial))
-        os.replace(partial, trace)  # whole or absent
+        try:
+            prof.export_chrome_trace(str(partial))
+            os.replace(partial, trace)  # whole or absent
+        finally:
+            partial.unlink(missing_ok=True)  # no half-written trace left behind (disk full)
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top)
+        table = prof.key_averages().table(sort_by=sort, row_limit=self.cfg.top)
         atomic_write_text(self.out / f"rank{rank}.{window}.top-ops.txt", table + "\n")
         written = [trace.name, f"rank{rank}.{window}.top-ops.txt"]
         if self.cuda and self.cfg.memory:
@@ -78,6 +118,4 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             written.append(snapshot.name)
-        log.info("profile of steps %d-%d written to %s: %s", self.first + 1, self.last, self.out, ", ".join(written))
-        self.prof = None
-        self.active = False
+        log.info("profile of %s written to %s: %s", window.replace("steps", "steps "), self.out, ", ".join(written))

@@ -7,6 +7,12 @@ evaluation record, the final results and the output folders as artifacts. Its ru
 run continues the same tracker run. `metrics.group` groups runs: a W&B group, an MLflow parent run (what
 `bertrain run` uses for its stages).
 
+A resumed run hands its trackers the metrics.jsonl records up to the checkpoint's step (`backfill`): what a killed
+run had queued but never sent, or every earlier record when the tracker run is new (its id was lost, or the tracker
+was added on resume), so the tracker has each step of metrics.jsonl once. MLflow (which cannot delete a point)
+first reads the run's history: a point it already has, also one the killed run sent after the checkpoint, is not
+sent again.
+
 Trackers talk to servers that may be slow or gone, so no call runs on the training thread: `Trackers` queues
 each call for one worker thread (a bounded queue: a record that finds it full is dropped, counted, and said once).
 A tracker whose call fails is switched off with one warning; training never waits for it, except at the end
@@ -60,6 +66,7 @@ class Tracker(Protocol):
     def results(self, results: dict[str, Any]) -> None: ...
     def artifact(self, path: Path) -> None: ...
     def finish(self) -> None: ...
+    # optional: backfill(records, continued) -- the records of metrics.jsonl up to the resume step (see above)
 
 
 def _numbers(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
@@ -110,9 +117,13 @@ class MlflowTracker:
     else MLFLOW_TRACKING_URI, else MLflow's default."""
     name = "mlflow"
 
+    BATCH = 1000  # MLflow takes at most 1000 metrics per log_batch
+
     def __init__(self, uri: str, experiment: str, run_name: str, group: str) -> None:
         self.uri, self.experiment, self.run_name, self.group = uri or None, experiment, run_name, group
         self.client = self.run_id = None
+        self.logged: dict[str, set[int]] = {}
+        """A continued run's points (name -> steps), read back at the start: none is sent twice."""
 
     def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> str:
         # MLflow retries a refused connection 7 times with backoff (minutes): fail fast instead, the tracker is then
@@ -125,6 +136,9 @@ class MlflowTracker:
         if run_id is not None:  # a resumed run: the same MLflow run, its parameters are already there
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
+            for key in self.client.get_run(run_id).data.metrics:
+                if key.startswith(("train/", "eval/")):
+                    self.logged[key] = {m.step for m in self.client.get_metric_history(run_id, key)}
             return run_id
         exp = self.client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
@@ -146,10 +160,25 @@ class MlflowTracker:
         return self.client.create_run(exp_id, run_name=self.group, tags={"bertrain.group": self.group}).info.run_id
 
     def log(self, record: dict[str, Any]) -> None:
+        self._send([record])
+
+    def backfill(self, records: list[dict[str, Any]], continued: bool) -> None:
+        self._send(records)
+
+    def _send(self, records: list[dict[str, Any]]) -> None:
+        """The records' points that the run does not have yet, in batches."""
         from mlflow.entities import Metric
-        step, values = _numbers(record)
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        points = []
+        for record in records:
+            step, values = _numbers(record)
+            for k, v in values.items():
+                if step not in self.logged.get(k, ()):
+                    points.append(Metric(k, v, now, step))
+                    if k in self.logged:
+                        self.logged[k].add(step)
+        for i in range(0, len(points), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=points[i:i + self.BATCH])
 
     def results(self, results: dict[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -187,6 +216,15 @@ class WandbTracker:
     def log(self, record: dict[str, Any]) -> None:
         step, values = _numbers(record)
         self.run.log(values, step=step)
+
+    def backfill(self, records: list[dict[str, Any]], continued: bool) -> None:
+        """A new W&B run gets the earlier records; a continued one has them (W&B drops a step below its current
+        one, so what a killed run sent after the checkpoint is not doubled either)."""
+        if not continued:
+            for record in records:
+                step, values = _numbers(record)
+                if values:
+                    self.run.log(values, step=step)
 
     def results(self, results: dict[str, Any]) -> None:
         self.run.summary.update({f"results/{k}": v for k, v in _scalars(results).items()})
@@ -243,16 +281,21 @@ class Trackers:
                             "metrics.jsonl)", QUEUE_SIZE)
 
     def start(self, ids: TrackerIds, params: dict[str, Any], info: dict[str, Any],
-              on_started: Callable[[dict[str, str]], None] | None = None) -> None:
+              on_started: Callable[[dict[str, str]], None] | None = None,
+              earlier: list[dict[str, Any]] | None = None) -> None:
         """Open or continue each tracker's run (`ids.ids`: name -> id of the run being resumed), on the worker:
         training does not wait for a server. `ids` gets the new ids when they are known (the next checkpoint
-        holds them), then `on_started(ids)` runs (it writes OUTPUT/trackers.json)."""
+        holds them), then `on_started(ids)` runs (it writes OUTPUT/trackers.json). `earlier`: a resumed run's
+        metrics.jsonl records up to its step, handed to each tracker's `backfill` before any new record."""
         def start_all() -> None:
             for t in self.trackers:
                 try:
-                    run_id = t.start(ids.ids.get(t.name), params, info)
+                    previous = ids.ids.get(t.name)
+                    run_id = t.start(previous, params, info)
                     if run_id is not None:
                         ids.ids[t.name] = run_id
+                    if earlier and hasattr(t, "backfill"):
+                        t.backfill(earlier, previous is not None)
                 except Exception as e:
                     self._failed.add(t.name)
                     log.warning("tracker %s could not start (%s: %s); the run goes on without it", t.name,
@@ -318,6 +361,15 @@ def open_trackers(cfg: Any, out: Path, is_main: bool, task: str, resume_step: in
         elif kind == "wandb":
             made.append(WandbTracker(out, m.experiment, name, m.group))
     trackers = Trackers(made)
+    earlier: list[dict[str, Any]] = []
+    if made and resume_step is not None and (out / "metrics.jsonl").is_file():
+        # read before MetricsLogger drops the lines after the checkpoint's step (the same records it keeps)
+        from bertrain.train.metrics import read_metrics
+        try:
+            earlier = [r for r in read_metrics(out / "metrics.jsonl")
+                       if isinstance(r, dict) and r.get("step", 0) <= resume_step]
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("cannot read %s (%s): the trackers get only this run's records", out / "metrics.jsonl", e)
     if resume_step is not None and (out / RUN_IDS).is_file():
         # the runs were opened on the worker thread: a checkpoint written before that finished lacks their ids,
         # which OUTPUT/trackers.json (written when they opened) has
@@ -328,5 +380,6 @@ def open_trackers(cfg: Any, out: Path, is_main: bool, task: str, resume_step: in
     from bertrain import __version__
     from bertrain.utils.io import atomic_write_json
     info = {"task": task, "output_dir": str(out.resolve()), "version": __version__}
-    trackers.start(ids, flatten(to_dict(cfg)), info, lambda started: atomic_write_json(out / RUN_IDS, started))
+    trackers.start(ids, flatten(to_dict(cfg)), info, lambda started: atomic_write_json(out / RUN_IDS, started),
+                   earlier)
     return trackers

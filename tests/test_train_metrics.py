@@ -1,0 +1,51 @@
+"""metrics.jsonl on resume (train/metrics.py): the records after the checkpoint's step are dropped by replacing the
+file whole, so a write that fails (a full disk: here a file-size limit, no mock) leaves every record in place."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bertrain.train.metrics import MetricsLogger, read_metrics
+
+SCRIPT = """
+import resource, signal, sys
+from bertrain.train.metrics import MetricsLogger
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: OSError EFBIG, as a full disk's ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+try:
+    MetricsLogger(sys.argv[1], resume_step=int(sys.argv[3]))
+except Exception as e:
+    print(type(e).__name__, e)
+    sys.exit(2)
+"""
+
+
+def _write(out: Path, steps: int) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"step": s, "loss": 10.0 - s / 7, "note": "x" * 40}) + "\n" for s in range(1, steps + 1))
+    (out / "metrics.jsonl").write_text(text + '{"step": 41, "lo', encoding="utf-8")  # a line cut by a kill
+    return text
+
+
+def test_a_resume_that_cannot_rewrite_metrics_jsonl_keeps_every_record(tmp_path: Path) -> None:
+    text = _write(tmp_path, 40)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    limit = 1000  # the kept records (30 of about 80 bytes) do not fit
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(limit), "30"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "OutputError" in done.stdout and "metrics.jsonl is unchanged" in done.stdout, done.stdout
+    # before: write_text emptied the file first, then stopped at the limit: 11 of the 40 records left
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and len(read_metrics(tmp_path / "metrics.jsonl")) == 40
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+    assert len(text) > limit
+
+
+def test_a_resume_drops_the_records_after_the_checkpoint_and_the_cut_line(tmp_path: Path) -> None:
+    _write(tmp_path, 40)
+    with MetricsLogger(tmp_path, resume_step=30) as ml:
+        ml.log({"step": 31, "loss": float("nan")})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 32)) and records[-1]["loss"] is None
