@@ -104,6 +104,12 @@ def base_data() -> dict:
     (lambda d: None, ["finetune[3].seeds=[1]"], "1 finetune task"),
     (lambda d: None, ["finetune[0].config.eval.metric=f1"],
      "recipe key finetune[0].config.eval.metric: 'f1' is not one of this task's metrics (accuracy)"),
+    # a fine-tuning length beyond the positions of the model pretraining makes (it failed after pretraining)
+    (lambda d: None, ["pretrain.model.max_position_embeddings=32", "phase1.sample.max_seq_length=32",
+                      "phase2.sample.max_seq_length=32", "phase1.sample.max_predictions_per_seq=5",
+                      "phase2.sample.max_predictions_per_seq=5"],
+     "recipe key finetune[0].config.data.max_seq_length: 64 exceeds the 32 positions (max_position_embeddings) of "
+     "the model pretrain-phase2 trains"),
 ])
 def test_bad_recipes_are_refused_naming_the_key_before_any_work(tmp_path, capsys, edit, overrides, message):
     data = base_data()

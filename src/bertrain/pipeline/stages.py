@@ -61,7 +61,7 @@ from bertrain.pipeline.report import write_report
 from bertrain.tasks.finetune import run_glue, run_squad
 from bertrain.tasks.glue import get_task
 from bertrain.tasks.metrics import PRIMARY_METRIC
-from bertrain.tasks.pretraining import build_model, run_pretraining
+from bertrain.tasks.pretraining import build_model, model_positions, run_pretraining
 from bertrain.train.checkpoint import sha256_file
 from bertrain.train.config import DistributedConfig, resolve_batch
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
@@ -332,6 +332,13 @@ class _TaskContext:
             if cfg.eval.metric not in known:
                 raise UserError(f"recipe key finetune[{self.index}].config.eval.metric: {cfg.eval.metric!r} is not "
                                 f"one of this task's metrics ({', '.join(known)})")
+        positions = model_positions(self.pretrained.config)  # the same check, for the model pretraining makes
+        length = getattr(cfg.data, "max_seq_length", None)
+        if positions is not None and length is not None and length > positions:
+            raise UserError(f"recipe key finetune[{self.index}].config.data.max_seq_length: {length} exceeds the "
+                            f"{positions} positions (max_position_embeddings) of the model {self.pretrained.name} "
+                            f"trains: use {positions} or less, or pretrain a model with more positions "
+                            "(pretrain.model.max_position_embeddings)")
         return cfg
 
     def inputs(self, cfg: Any) -> dict[str, str]:

@@ -405,6 +405,15 @@ def _finish(cfg: PretrainConfig, model: nn.Module) -> Path | None:
 
 def check_model_fits_samples(cfg: PretrainConfig) -> None:
     """Refuse a sample length beyond the model's positions before any vocabulary or data is built."""
+    positions = model_positions(cfg)
+    if positions is not None and cfg.sample.max_seq_length > positions:
+        raise UserError(f"config key 'sample.max_seq_length' ({cfg.sample.max_seq_length}) exceeds the model's "
+                        f"max_position_embeddings ({positions}): lower it or use a model with more positions")
+
+
+def model_positions(cfg: PretrainConfig) -> int | None:
+    """The max_position_embeddings of the model the run trains (from its preset, config.json or init folder; None
+    when that folder has no config.json yet), known before anything is built."""
     m = cfg.model
     if m.init:
         from bertrain.model.hf import resolve_model_dir  # a Hub model id: its snapshot in the local HF cache
@@ -415,10 +424,7 @@ def check_model_fits_samples(cfg: PretrainConfig) -> None:
         config = config_from_json_file(m.preset)
     else:
         config = BertConfig.from_preset(m.preset, **m.architecture_overrides())
-    positions = m.max_position_embeddings or (config.max_position_embeddings if config else None)
-    if positions is not None and cfg.sample.max_seq_length > positions:
-        raise UserError(f"config key 'sample.max_seq_length' ({cfg.sample.max_seq_length}) exceeds the model's "
-                        f"max_position_embeddings ({positions}): lower it or use a model with more positions")
+    return m.max_position_embeddings or (config.max_position_embeddings if config else None)
 
 
 def _plot(out: Path) -> None:
