@@ -102,6 +102,11 @@ def base_data() -> dict:
     (lambda d: d["data"]["prepare"].update(masking="sometimes"), [], "recipe key 'data.prepare.masking'"),
     (lambda d: None, ["phase1.train.steps"], "expected KEY=VALUE"),
     (lambda d: None, ["finetune[3].seeds=[1]"], "1 finetune task"),
+    # the section of the key as written: its suggestion, a section-worded message, a list index with a dot
+    (lambda d: None, ["phase1.train.stepz=40"],
+     "unknown recipe key 'phase1.train.stepz' — did you mean 'phase1.train.steps'?"),
+    (lambda d: None, ["phase1.sample.max_predictions_per_seq=400"],
+     "recipe key 'phase1.sample.max_predictions_per_seq': max_predictions_per_seq must be in [1, max_seq_length]"),
     (lambda d: None, ["finetune[0].config.eval.metric=f1"],
      "recipe key finetune[0].config.eval.metric: 'f1' is not one of this task's metrics (accuracy)"),
     # a fine-tuning length beyond the positions of the model pretraining makes (it failed after pretraining)
@@ -123,6 +128,12 @@ def test_bad_recipes_are_refused_naming_the_key_before_any_work(tmp_path, capsys
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_list_index_written_with_a_dot_says_how_to_write_it(tmp_path, capsys):
+    argv = ["run", str(DEFAULT), "--dry-run", "--set", f"output_dir={tmp_path / 'run'}", "--set", "finetune.0.seeds=[1]"]
+    assert main(argv) == 2
+    assert "'finetune' is not a section: write finetune[0].seeds" in capsys.readouterr().err
 
 
 def test_the_dry_run_refuses_what_the_run_would_refuse_before_any_work(tmp_path, capsys):

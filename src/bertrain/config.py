@@ -375,12 +375,15 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
         if not isinstance(nxt, dict):
-            raise ValueError(f"config key '{key}': '{p}' is not a section")
+            rest = parts[i + 1:]
+            hint = f": write {p}[{rest[0]}].{'.'.join(rest[1:])}" if isinstance(nxt, list) and rest and \
+                rest[0].isdigit() and rest[1:] else ""  # a list element: `--set finetune[0].seeds=...`
+            raise ValueError(f"config key '{key}': '{p}' is not a section{hint}")
         node = nxt
     node[parts[-1]] = value
 

@@ -180,16 +180,32 @@ def _recipe_message(message: str, sections: list[tuple[str, dict[str, Any]]]) ->
     """Rewrite the engine's "config key 'optim.lr'" as "recipe key 'phase1.optim.lr'" (the section that set it)."""
     message = re.sub(r" \([^()]*(the base config|not set: the default)[^()]*\)$", "", message)
 
-    def blame(m: re.Match) -> str:
-        key = m.group(2)
+    blamed: list[str] = []  # the recipe sections named
+
+    def section_of(key: str) -> str | None:
         for name, section in reversed(sections):
             flat = flatten(section)
             if key in flat or any(k.startswith(key + ".") for k in flat):
-                return f"recipe key '{name}.{key}'"
-        return f"{m.group(1)} '{key}' (not set in the recipe: the default)"
+                return name
+        return None
+
+    def blame(m: re.Match) -> str:
+        key, name = m.group(2), section_of(m.group(2))
+        if name is None:
+            return f"{m.group(1)} '{key}' (not set in the recipe: the default)"
+        blamed.append(name)
+        return f"recipe key '{name}.{key}'"
 
     out = re.sub(r"(config key|config keys) '([A-Za-z_][\w.]*)'", blame, message)
-    return out if out.startswith("recipe key") else f"recipe: {out}"
+    head = re.match(r"([A-Za-z_]\w*): ([A-Za-z_]\w*) ", message)  # "sample: max_predictions_per_seq must be ..."
+    if out == message and head and section_of(f"{head.group(1)}.{head.group(2)}"):
+        name = section_of(f"{head.group(1)}.{head.group(2)}")
+        blamed.append(name)
+        out = f"recipe key '{name}.{head.group(1)}.{head.group(2)}': {message[len(head.group(1)) + 2:]}"
+    if blamed:  # an unknown key's suggestions, in the section it was written in: 'phase1.train.steps'
+        out = re.sub(r"did you mean '[^']+'(?: or '[^']+')*",
+                     lambda m: re.sub(r"'([^']+)'", lambda k: f"'{blamed[0]}.{k.group(1)}'", m.group(0)), out)
+    return out if out.startswith(("recipe key", "unknown recipe key")) else f"recipe: {out}"
 
 
 def prepare_config(recipe: Recipe, run_dir: Path, vocab_file: Path) -> PrepareConfig:
