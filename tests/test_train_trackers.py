@@ -54,6 +54,31 @@ def test_unknown_tracker_and_missing_package_are_refused_before_any_work(tmp_pat
     assert not (tmp_path / "a").exists()
 
 
+def test_a_file_store_mlflow_refuses_is_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    """MLflow >= 3.13 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is true, and said so only when its run
+    opened on the tracker thread: the run went on untracked, with a warning cut before its advice."""
+    from importlib.metadata import version
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "3.13.0" if name == "mlflow" else version(name))
+    for uri in (f"file://{tmp_path}/mlruns", str(tmp_path / "mlruns")):
+        with pytest.raises(ValueError, match="config key 'metrics.mlflow_uri' is '.*', a file store, which MLflow "
+                                             "3.13.0 refuses .* sqlite:///mlflow.db .* MLFLOW_ALLOW_FILE_STORE=true"):
+            _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "./mlruns")
+    with pytest.raises(ValueError, match="the environment variable MLFLOW_TRACKING_URI is './mlruns', a file store"):
+        _config(tmp_path / "a", report_to=["mlflow"])
+    _config(tmp_path / "a", report_to=["tensorboard"])  # MLflow's store matters only when MLflow is asked for
+    _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=f"sqlite:///{tmp_path}/m.db")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's way to keep a file store
+    _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=str(tmp_path / "mlruns"))
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "3.12.2" if name == "mlflow" else version(name))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=str(tmp_path / "mlruns"))  # older MLflow takes it
+    assert not (tmp_path / "a").exists()
+
+
 def test_mlflow_store_gets_config_records_results_and_artifacts_and_a_resume_continues_the_run(tmp_path: Path,
                                                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)  # a sqlite store keeps artifacts in ./mlruns (MLflow's default)

@@ -281,7 +281,7 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         from bertrain.train.trackers import check_report_to  # no heavy import: it only looks the packages up
-        check_report_to(list(self.report_to))
+        check_report_to(list(self.report_to), self.mlflow_uri)
 
 
 @dataclass

@@ -43,9 +43,10 @@ QUEUE_SIZE = 10_000
 CLOSE_TIMEOUT_S = 30.0
 
 
-def check_report_to(names: list[str]) -> None:
-    """Refuse unknown trackers and missing packages before any work (`ValueError` naming the key and the extra).
-    TensorBoard, on by default, is the exception: without its package the run goes on with a warning."""
+def check_report_to(names: list[str], mlflow_uri: str = "") -> None:
+    """Refuse unknown trackers, missing packages and an MLflow store MLflow refuses before any work (`ValueError`
+    naming the key and what to do). TensorBoard, on by default, is the exception: without its package the run goes
+    on with a warning."""
     for name in names:
         if name not in EXTRAS:
             raise ValueError(f"config key 'metrics.report_to': unknown tracker {name!r} (choose from "
@@ -54,6 +55,32 @@ def check_report_to(names: list[str]) -> None:
         if name != "tensorboard" and importlib.util.find_spec(module) is None:
             raise ValueError(f"config key 'metrics.report_to' lists {name} but the {module} package is not "
                              f"installed: pip install 'bertrain[{extra}]'")
+    if "mlflow" in names:
+        _check_mlflow_store(mlflow_uri)
+
+
+def _check_mlflow_store(mlflow_uri: str) -> None:
+    """MLflow >= 3.13 refuses a file store (file:///..., a plain path) unless MLFLOW_ALLOW_FILE_STORE is true, and
+    says so only when the run opens, on the tracker's thread: the run went on untracked with a warning cut before
+    its advice. Checked here, from the version and the environment (importing mlflow takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from urllib.parse import urlparse
+
+    uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri or urlparse(uri).scheme not in ("", "file"):
+        return  # MLflow's default (a sqlite database), a database or a server
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1"):
+        return
+    try:
+        installed = version("mlflow")
+        major_minor = tuple(int(x) for x in installed.split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return
+    if major_minor >= (3, 13):
+        where = "config key 'metrics.mlflow_uri'" if mlflow_uri else "the environment variable MLFLOW_TRACKING_URI"
+        raise ValueError(f"{where} is {uri!r}, a file store, which MLflow {installed} refuses (its file store is in "
+                         "maintenance mode): use a database, e.g. --metrics.mlflow_uri sqlite:///mlflow.db "
+                         "(`mlflow migrate-filestore` moves existing runs there), or set MLFLOW_ALLOW_FILE_STORE=true")
 
 
 class Tracker(Protocol):
