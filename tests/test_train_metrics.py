@@ -1,11 +1,14 @@
-"""metrics.jsonl on resume (train/metrics.py): the records after the checkpoint's step are dropped by replacing the
-file whole, so a write that fails (a full disk: here a file-size limit, no mock) leaves every record in place."""
+"""metrics.jsonl (train/metrics.py): standard JSON records; on resume the records after the checkpoint's step are
+dropped by replacing the file whole, so a write that fails (a full disk: here a file-size limit, no mock) leaves
+every record in place."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bertrain.train.metrics import MetricsLogger, read_metrics
 
@@ -49,3 +52,14 @@ def test_a_resume_drops_the_records_after_the_checkpoint_and_the_cut_line(tmp_pa
         ml.log({"step": 31, "loss": float("nan")})
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 32)) and records[-1]["loss"] is None
+
+
+def test_records_are_standard_json_with_nested_nan_as_null(tmp_path: Path) -> None:
+    """An evaluation's metrics nest in the record: an inf/NaN there (the Pearson correlation of constant
+    predictions) is written as null too (before: the bare token NaN, which strict JSON readers refuse)."""
+    with MetricsLogger(tmp_path, True) as m:
+        m.log({"step": 1, "loss": float("nan"), "event": "eval", "metrics": {"pearson": float("nan"), "acc": 0.5},
+               "curve": [1.0, float("inf")]})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}")) == {
+        "step": 1, "loss": None, "event": "eval", "metrics": {"pearson": None, "acc": 0.5}, "curve": [1.0, None]}

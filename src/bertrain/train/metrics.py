@@ -12,6 +12,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every inf/NaN float, nested ones too (an evaluation's metrics), as None: metrics.jsonl is standard
+    JSON, which has no NaN (json.dumps would write the bare token, which jq and JavaScript refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class MetricsLogger:
     """Append records to OUTPUT/metrics.jsonl and hand them to the run's trackers (`train/trackers.py`)."""
 
@@ -52,7 +64,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled or self._file is None:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean = _finite(record)
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
         if self.trackers is not None:
