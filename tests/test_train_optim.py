@@ -26,14 +26,19 @@ class Toy(nn.Module):
         return self.out(self.norm(torch.tanh(self.lin(self.emb(x)))))
 
 
-def reference_lamb_step(params, grads, states, lr, betas, eps, wd_of, bias_correction, min_tr, max_tr, nvlamb):
+def reference_lamb_step(params, grads, states, lr, betas, eps, wd_of, bias_correction, min_tr, max_tr, nvlamb,
+                        max_grad_norm=1.0):
     """LAMB as written in the paper (You et al. 2019, Alg. 2) / cybertronai pytorch_lamb, one tensor at a time,
-    with DeepSpeed's trust-ratio clamps and NVIDIA's global gradient pre-normalisation for NVLAMB."""
+    with DeepSpeed's trust-ratio clamps; NVLAMB as apex FusedLAMB (NVIDIA's BERT) computes it: the gradients
+    divided by ||g|| / max_grad_norm only where the global norm exceeds max_grad_norm, and trust ratio 1 for
+    tensors without weight decay. Returns (a ratio was clamped, the nvlamb gradients were scaled)."""
     b1, b2 = betas
-    clamped = False
+    clamped = scaled = False
     if nvlamb:
         gnorm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
-        grads = [g / gnorm for g in grads]
+        if gnorm > max_grad_norm:
+            scaled = True
+            grads = [g / (gnorm / max_grad_norm) for g in grads]
     for p, g, st, wd in zip(params, grads, states, wd_of):
         st["t"] += 1
         st["m"] = b1 * st["m"] + (1 - b1) * g
@@ -43,10 +48,12 @@ def reference_lamb_step(params, grads, states, lr, betas, eps, wd_of, bias_corre
         update = m_hat / (v_hat.sqrt() + eps) + wd * p
         w_norm, u_norm = float(p.norm()), float(update.norm())
         trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+        if nvlamb and wd == 0:
+            trust = 1.0  # apex: `if (use_nvlamb || decay != 0)` guards the ratio; DLE's BERT runs use_nvlamb=False
         clamped |= not min_tr <= trust <= max_tr
         trust = min(max(trust, min_tr), max_tr)
         p -= lr * trust * update
-    return clamped
+    return clamped, scaled
 
 
 def _batches(n: int):
@@ -70,18 +77,22 @@ def test_lamb_matches_reference_step_by_step(nvlamb, bias_correction, min_tr, ma
     opt = Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.1, bias_correction=bias_correction,
                min_trust_ratio=min_tr, max_trust_ratio=max_tr, nvlamb=nvlamb, foreach=foreach)
     states = [{"t": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)} for p in ref]
-    clamped = False
+    clamped, scaled = False, []
     for step, (x, y) in enumerate(_batches(12)):
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         grads = [p.grad.detach().clone() for p in model.parameters()]
         opt.step()
-        clamped |= reference_lamb_step(ref, grads, states, lr, betas, eps, wd_of, bias_correction, min_tr, max_tr, nvlamb)
+        c, s = reference_lamb_step(ref, grads, states, lr, betas, eps, wd_of, bias_correction, min_tr, max_tr, nvlamb)
+        clamped |= c
+        scaled.append(s)
         for i, (p, r) in enumerate(zip(model.parameters(), ref)):
             torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"step {step}, tensor {i}: {m}")
     # the narrow clamp range was exercised, and the parameters really moved (agreement is not trivial)
     assert clamped == (min_tr == 0.5)
+    if nvlamb:  # the global norms (0.7 to 1.5) straddle max_grad_norm 1: both of apex's branches were taken
+        assert any(scaled) and not all(scaled)
     assert min(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), init)) > 1e-3
 
 
@@ -155,7 +166,10 @@ def test_schedules() -> None:
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(55) == pytest.approx(0.5)
     assert f(100) == pytest.approx(0.0)
     poly = LRMultiplier(ScheduleConfig(name="poly", warmup=10, power=0.5), 110)  # warmup in steps
-    assert poly.warmup == 10 and poly(60) == pytest.approx(math.sqrt(0.5))
+    # NVIDIA's PolyWarmUpScheduler: t = step + 1, progress t / total over all steps (HF's, over the steps after
+    # warmup, would give 1.0 at step 9 and sqrt(0.5) at step 60)
+    assert poly.warmup == 10 and poly(8) == pytest.approx(0.9) and poly(9) == pytest.approx(math.sqrt(1 - 10 / 110))
+    assert poly(60) == pytest.approx(math.sqrt(1 - 61 / 110)) and poly(109) == 0.0 and poly(200) == 0.0
     cos = LRMultiplier(ScheduleConfig(name="cosine", warmup=0, min_lr_ratio=0.1), 100)
     assert cos(0) == pytest.approx(1.0) and cos(50) == pytest.approx(0.55) and cos(100) == pytest.approx(0.1)
     exp = LRMultiplier(ScheduleConfig(name="warmup_exp_decay_exp", warmup=0.1, decay_rate=0.5, decay_steps=20), 100)

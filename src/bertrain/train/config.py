@@ -34,7 +34,9 @@ def check_all(checks: list) -> None:
 @dataclass
 class OptimConfig:
     name: Literal["lamb", "nvlamb", "adamw", "radam"] = "adamw"
-    """Optimizer: lamb (trust-ratio clamps as DeepSpeed), nvlamb (NVIDIA: global grad-norm pre-normalisation), adamw, radam."""
+    """Optimizer: lamb (the paper, trust-ratio clamps as DeepSpeed), nvlamb (as NVIDIA's BERT runs apex FusedLAMB:
+    no trust ratio for biases and LayerNorm, gradients clipped to max_grad_norm first; its recipes set no clamps),
+    adamw, radam."""
     lr: float = 1e-4
     """Peak learning rate (before optional linear scaling with the global batch)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -48,7 +50,7 @@ class OptimConfig:
     min_trust_ratio: float = 0.01
     """LAMB: lower clamp of the per-tensor trust ratio ||w||/||update|| (DeepSpeed min_coeff)."""
     max_trust_ratio: float = 10.0
-    """LAMB: upper clamp of the per-tensor trust ratio (DeepSpeed max_coeff)."""
+    """LAMB: upper clamp of the per-tensor trust ratio (DeepSpeed max_coeff; .inf in YAML: none, as apex)."""
     max_grad_norm: float = 1.0
     """Clip the all-reduced gradients to this global L2 norm; 0 disables clipping."""
     scale_lr_with_batch: bool = False
@@ -81,7 +83,8 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: Literal["linear", "poly", "cosine", "warmup_exp_decay_exp", "constant"] = "linear"
-    """LR schedule after warmup: linear decay, poly (NVIDIA), cosine, warmup_exp_decay_exp (DeepSpeed), constant."""
+    """LR schedule after warmup: linear decay, poly (NVIDIA's PolyWarmUpScheduler: (1 - step/total)^power over all
+    steps, so the LR drops at the end of warmup), cosine, warmup_exp_decay_exp (DeepSpeed), constant."""
     warmup: float = 0.01
     """Warmup length: a fraction of the total steps if < 1, else a number of steps."""
     power: float = 0.5

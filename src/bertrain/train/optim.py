@@ -3,8 +3,12 @@
 * `Lamb` (You et al., 2019, "Large Batch Optimization for Deep Learning"), written with multi-tensor `foreach`
   ops: Adam moments, an update `m̂/(sqrt(v̂)+eps) + wd·w`, then a per-tensor trust ratio ||w|| / ||update||
   clamped to [min_trust_ratio, max_trust_ratio] (DeepSpeed's min/max coefficients; 1 where either norm is 0).
-  `nvlamb=True` adds NVIDIA's pre-normalisation: the gradients are divided by their global L2 norm before the
-  moments are updated (NVLAMB, "Pretraining BERT with layer-wise adaptive learning rates").
+  `nvlamb=True` is LAMB as NVIDIA's BERT (DeepLearningExamples) runs it, apex `FusedLAMB` with its defaults:
+  (1) the gradients' "pre-normalisation" is apex's: they are divided by ||g|| / max_grad_norm only when the global
+  norm ||g|| exceeds max_grad_norm (a global-norm clip applied before the moments; the NVLAMB blog's algorithm
+  writes g / ||g||, but apex never scales gradients up); (2) parameters without weight decay (biases, LayerNorm)
+  take a plain Adam step, trust ratio 1 (apex `use_nvlamb=False`, which DLE's BERT uses). Behind bertrain's
+  trainer, which already clips to optim.max_grad_norm, (1) changes nothing; (2) is what sets nvlamb apart.
 * `BertAdamW`: google-research/bert's AdamWeightDecayOptimizer (no bias correction); with bias correction we use
   `torch.optim.AdamW` itself. `torch.optim.RAdam` for radam.
 * `build_optimizer` puts biases and LayerNorm parameters in a group without weight decay.
@@ -70,8 +74,8 @@ def full_norms(tensors: list[torch.Tensor], group: Any) -> torch.Tensor:
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al., 2019) with DeepSpeed's trust-ratio clamps; `nvlamb` pre-normalises gradients by their
-    global norm (NVIDIA).
+    """LAMB (You et al., 2019) with DeepSpeed's trust-ratio clamps; `nvlamb`: NVIDIA's (apex FusedLAMB) gradient
+    clip to `max_grad_norm` and no trust ratio for parameters without weight decay (module docstring).
 
     `foreach`: multi-tensor ops (a few dozen kernel launches per step instead of ~12 per tensor: for CUDA) or one
     tensor at a time (on CPU 2.6x faster on an idle machine: torch's foreach ops on CPU are plain loops that materialise every
@@ -81,13 +85,15 @@ class Lamb(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
                  min_trust_ratio: float = 0.01, max_trust_ratio: float = 10.0, nvlamb: bool = False,
-                 foreach: bool | None = None) -> None:
-        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid LAMB hyper-parameters lr={lr} eps={eps} wd={weight_decay} betas={betas}")
+                 max_grad_norm: float = 1.0, foreach: bool | None = None) -> None:
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or max_grad_norm < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid LAMB hyper-parameters lr={lr} eps={eps} wd={weight_decay} betas={betas} "
+                             f"max_grad_norm={max_grad_norm}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio)
         super().__init__(params, defaults)
         self.nvlamb = nvlamb
+        self.max_grad_norm = max_grad_norm  # nvlamb's pre-normalisation threshold; 0: none (apex would zero g)
         self.foreach = foreach
 
     @torch.no_grad()
@@ -97,12 +103,14 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = None
-        if self.nvlamb:
+        if self.nvlamb and self.max_grad_norm > 0:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 global_norm = torch.linalg.vector_norm(full_norms(grads, shard_group(grads)))
-                # divide by the global norm (guarded against 0); computed before any moment update
-                grad_scale = torch.where(global_norm > 0, 1.0 / global_norm, torch.ones_like(global_norm))
+                # apex multi_tensor_lamb.cu: g / (||g|| / max) where ||g|| > max, else g unchanged (never scaled up);
+                # computed before any moment update
+                grad_scale = torch.where(global_norm > self.max_grad_norm, self.max_grad_norm / global_norm,
+                                         torch.ones_like(global_norm))
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -135,6 +143,11 @@ class Lamb(torch.optim.Optimizer):
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
         return ratio.clamp(group["min_trust_ratio"], group["max_trust_ratio"])
 
+    def _adaptive(self, group: dict) -> bool:
+        """Whether the group's steps are scaled by trust ratios: always for LAMB (the paper, DeepSpeed), only with
+        weight decay for NVLAMB (apex FusedLAMB's stage 2: `if (use_nvlamb || decay != 0)`, use_nvlamb off in DLE)."""
+        return not (self.nvlamb and group["weight_decay"] == 0)
+
     def _group_foreach(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None,
                        shards: Any) -> None:
         grads = [_local(p.grad) for p in params]
@@ -160,6 +173,9 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_div_(update, bc1)
         if group["weight_decay"] != 0:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
+        if not self._adaptive(group):
+            torch._foreach_add_(params, update, alpha=-group["lr"])
+            return
         ratio = self._trust_ratio(group, full_norms(params, shards), full_norms(update, shards))
         torch._foreach_mul_(update, list(torch.unbind(ratio * -group["lr"])))
         torch._foreach_add_(params, update)
@@ -167,6 +183,7 @@ class Lamb(torch.optim.Optimizer):
     def _group_per_tensor(self, group: dict, params: list, states: list, grad_scale: torch.Tensor | None,
                           shards: Any) -> None:
         beta1, beta2 = group["betas"]
+        adaptive = self._adaptive(group)
         bc1 = bc2 = None
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard, its update): ratios need full norms first
         for p, st in zip(params, states):
@@ -184,6 +201,9 @@ class Lamb(torch.optim.Optimizer):
                 update.div_(bc1)
             if group["weight_decay"] != 0:
                 update.add_(p, alpha=group["weight_decay"])
+            if not adaptive:
+                p.add_(update, alpha=-group["lr"])
+                continue
             if shards is not None:
                 sharded.append((p, update))
                 continue
@@ -244,7 +264,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float | None = None)
     if cfg.name in ("lamb", "nvlamb"):
         return Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.min_trust_ratio,
-                    max_trust_ratio=cfg.max_trust_ratio, nvlamb=cfg.name == "nvlamb")
+                    max_trust_ratio=cfg.max_trust_ratio, nvlamb=cfg.name == "nvlamb",
+                    max_grad_norm=cfg.max_grad_norm)
     # torch's fused AdamW kernel (CUDA and CPU): on CPU its BERT-base optimizer step took 64 ms vs 226 ms foreach
     # on an idle machine (BENCHMARKS.md, "Techniques"); foreach for devices without a fused kernel.
     fused_ok = all(p.device.type in ("cuda", "cpu") for g in groups for p in g["params"])

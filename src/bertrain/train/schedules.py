@@ -4,8 +4,11 @@ Warmup rises linearly to the peak over `warmup` steps (the first step already us
 then, with p = progress through the remaining steps in [0, 1]:
 
 * linear:   end + (1 - end) (1 - p)                     (BERT paper; end = schedule.min_lr_ratio)
-* poly:     end + (1 - end) (1 - p)^power               (NVIDIA's PolyWarmUpScheduler, power 0.5)
 * cosine:   end + (1 - end) (1 + cos(pi p)) / 2
+* poly:     NVIDIA's PolyWarmUpScheduler (DeepLearningExamples BERT, power 0.5), whose progress is over ALL steps,
+            warmup included: with t = step + 1 (the count DLE's scheduler sees before the step), t / warmup while
+            t < warmup, then end + (1 - end) (1 - t / total)^power. So the LR drops at the end of warmup (to
+            sqrt(1 - 0.2843) = 0.85 of the peak in the phase-1 recipe) and the last step's LR is `end`.
 * constant: 1
 * warmup_exp_decay_exp (DeepSpeed bing_bert): (t / warmup)^warmup_power during warmup, then
   decay_rate^((t - warmup) / decay_steps).
@@ -38,6 +41,13 @@ class LRMultiplier:
         self.warmup_power = cfg.warmup_power
 
     def __call__(self, step: int) -> float:
+        if self.name == "poly":
+            # NVIDIA's (1 - t/total)^power, not HF's (1 - p)^power over the steps after warmup: the recipes that
+            # name it are NVIDIA's; the two differ by up to 0.15 of the peak LR there (test_optim_reference_schedules)
+            t = step + 1
+            if t < self.warmup:
+                return t / self.warmup
+            return self.end + (1.0 - self.end) * max(0.0, 1.0 - t / self.total) ** self.power
         if self.name == "warmup_exp_decay_exp":
             if step < self.warmup:
                 return ((step + 1) / self.warmup) ** self.warmup_power
@@ -49,8 +59,6 @@ class LRMultiplier:
         p = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         if self.name == "linear":
             shape = 1.0 - p
-        elif self.name == "poly":
-            shape = (1.0 - p) ** self.power
         elif self.name == "cosine":
             shape = 0.5 * (1.0 + math.cos(math.pi * p))
         else:
