@@ -10,7 +10,12 @@ How we make that fast and replayable (the parts that differ from the reference, 
   (a block's target is shorter with probability `short_seq_prob`, drawn per block rather than per document, keyed by
   the block's first sentence) once per (store, length, seed) and cached in the folder. A sample is built from one
   block: A is its first 1..n-1 sentences, B the rest (IsNext), or B is taken from a random block of another
-  document (random next).
+  document (random next: whole sentences from a random sentence of that block until B reaches the block's target
+  minus len(A), as the reference). The reference draws the random document uniformly over documents, we over
+  blocks; and it "puts back" the unused rest of a random-next block to start the next one, we do not (fixed
+  blocks): an epoch has fewer samples than a reference pass (4230 vs ~5650 on the Wikipedia sample, 7328 vs ~8560
+  on Tiny Shakespeare) and uses ~65% of the corpus's tokens as A or IsNext B (the reference ~89%); other epochs
+  split the blocks differently, so every token still serves over a few epochs.
 * **Counter-based randomness.** Every random number of a sample is a hash (splitmix64) of
   (seed, epoch, block index, slot), not a draw from a sequential RNG. So sample `i` of epoch `e` is the same
   whichever process, worker or batch builds it, any epoch can be replayed exactly, and a whole batch is built with
@@ -170,9 +175,7 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
     if splits_sentences(sample):
         return _token_windows(store, sample, seed, max_tokens)
     start = np.arange(n_sent)
-    keys = sample_keys(seed, _BLOCK_DOMAIN, start)
-    short_len = 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64)  # randint(2, max_tokens)
-    target = np.where(_uniform(keys, 0) < sample.short_seq_prob, short_len, max_tokens)
+    target = block_targets(sample, seed, start)
     doc_starts = np.asarray(store.document_starts, dtype=np.int64)
     doc_of = np.repeat(np.arange(len(doc_starts) - 1), np.diff(doc_starts))
     if sample.next_sentence:
@@ -201,6 +204,17 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
             s = nxt[s]
         first = np.asarray(firsts, dtype=np.int64)
     return np.stack([first, end[first], doc_of[first]], axis=1)
+
+
+def block_targets(sample: SampleConfig, seed: int, first: np.ndarray) -> np.ndarray:
+    """The target length (tokens, specials excluded) of a sentence block that starts at sentence `first`: the
+    reference's target_seq_length, max_seq_length - 3 (or - 2 when packing), or with probability `short_seq_prob`
+    randint(2, that). Keyed by the block's first sentence, so `build_blocks` and `InstanceBuilder.build` (which
+    needs it for a random next segment's length) draw the same number."""
+    max_tokens = sample.max_seq_length - (3 if sample.next_sentence else 2)
+    keys = sample_keys(seed, _BLOCK_DOMAIN, np.asarray(first, dtype=np.int64))
+    short_len = 2 + np.floor(_uniform(keys, 1) * (max_tokens - 1)).astype(np.int64)  # randint(2, max_tokens)
+    return np.where(_uniform(keys, 0) < sample.short_seq_prob, short_len, max_tokens)
 
 
 def splits_sentences(sample: SampleConfig) -> bool:
@@ -325,11 +339,15 @@ class InstanceBuilder:
             r = np.minimum(r, self.n_blocks - 1)
             rf, re_ = self.blocks[r, 0], self.blocks[r, 1]
             r_sent = rf + np.floor(_uniform(keys, 4) * (re_ - rf)).astype(np.int64)
-            r_doc_end = ss[self.store.document_starts[self.blocks[r, 2] + 1]]
-            # Reference: target_b = target - len(A); the block's own length stands in for its target.
-            target_b = np.maximum(block_end - block_start - (a_end - a_start), 1)
+            r_doc_end = self.store.document_starts[self.blocks[r, 2] + 1]  # a sentence index
+            # Reference: target_b = target_seq_length - len(A), then B takes whole sentences of the other document
+            # until it holds >= target_b tokens (at least one sentence) or that document ends; pair truncation
+            # below trims the excess. The target, not the block's length: a block that ends with its document, or
+            # a one-sentence block, is shorter than its target, and B cut to the block's length was then a single
+            # token (68% of Tiny Shakespeare's samples: a one-token B that gave the NSP label away).
+            target_b = block_targets(sample, self.seed, first) - (a_end - a_start)
             rb_start = ss[r_sent]
-            rb_end = np.minimum(r_doc_end, rb_start + np.maximum(target_b, 1))
+            rb_end = ss[np.minimum(np.searchsorted(ss, rb_start + np.maximum(target_b, 1), side="left"), r_doc_end)]
             b_start = np.where(random_next, rb_start, a_end)
             b_end = np.where(random_next, rb_end, block_end)
             la, lb = a_end - a_start, b_end - b_start
