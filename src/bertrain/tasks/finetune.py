@@ -26,8 +26,9 @@ from bertrain.model.losses import classification_loss_sums, qa_loss_sums
 from bertrain.model.options import apply_model_options
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.evaluate import distributed_forward
-from bertrain.tasks.glue import (build_features as glue_features, get_task, has_split, read_split,
-                                 write_dev_predictions, write_submission)
+from bertrain.tasks.glue import (DIAGNOSTIC_SUBMISSION, build_features as glue_features, get_task, has_split,
+                                 model_label_ids, read_diagnostic, read_split, write_dev_predictions,
+                                 write_submission)
 from bertrain.tasks.metrics import PRIMARY_METRIC, evaluate_squad, glue_compute_metrics, glue_metric_names
 from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, at_best_f1_threshold,
                                   load_dataset_json, load_or_build_features, postprocess_predictions, read_squad,
@@ -475,10 +476,12 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
         # Every split is read (and checked) before any training: a bad dev or test file is found in seconds.
         train_split = read_split(d.data_dir, task, "train") if cfg.do_train else []
         dev_splits = read_split(d.data_dir, task, "dev") if cfg.do_eval else []
-        test_splits = None
+        test_splits, diagnostic = None, None
         if d.predict_test:
             if has_split(d.data_dir, task, "test"):  # TSV, the Hub's Parquet or a datasets folder
                 test_splits = read_split(d.data_dir, task, "test")
+                # GLUE's diagnostic set (AX.tsv of a submission) is scored by the MNLI model
+                diagnostic = read_diagnostic(d.data_dir) if task.name == "mnli" else None
             else:
                 log.info("no test file in %s: skipping test predictions", d.data_dir)
         if cfg.do_train:
@@ -501,12 +504,17 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             model = run.model
             results.update(train_examples=len(examples), train_examples_available=n_all,
                            epochs=cfg.train.epochs if not cfg.train.steps else None, **_train_results(run))
-        else:
+        label_ids = None  # a trained head predicts the task's label ids
+        if not cfg.do_train:
             model = eval_model(cfg, "cls", task.num_labels, dist)
+            # a classifier fine-tuned elsewhere (transformers' run_glue: MNLI as entailment, neutral,
+            # contradiction) may order its classes otherwise: its config's label names say how
+            label_ids = model_label_ids(task, getattr(model, "id2label", None))
 
         def predict(examples):
             feats = glue_features(examples, task, tok, d.max_seq_length)
-            return feats, _glue_predictions(model, feats, task, cfg, dist, Precision(cfg.precision, dist.device))
+            preds = _glue_predictions(model, feats, task, cfg, dist, Precision(cfg.precision, dist.device))
+            return feats, preds if label_ids is None else label_ids[preds]
 
         if cfg.do_eval:
             for split_name, examples in dev_splits:
@@ -526,6 +534,11 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 on_rank0("write the test submission",
                          functools.partial(write_submission, out_dir / sub, task, examples, preds))
             results["test_predictions"] = list(task.submission)
+            if diagnostic is not None:
+                _, preds = predict(diagnostic)
+                on_rank0("write the diagnostic submission",
+                         functools.partial(write_submission, out_dir / DIAGNOSTIC_SUBMISSION, task, diagnostic, preds))
+                results["test_predictions"].append(DIAGNOSTIC_SUBMISSION)
 
         def finish() -> None:
             atomic_write_json(out_dir / "eval_results.json", results)

@@ -60,6 +60,10 @@ class GlueTask:
     test_files: tuple[tuple[str, str], ...] = (("test", "test.tsv"),)
     submission: tuple[str, ...] = ()  # GLUE server file names, one per test file
     folder: str = ""  # the task's folder name in the GLUE distribution
+    # Rows whose sentence is empty are kept (with one warning per file) instead of refused. Only QQP: GLUE's own
+    # QQP train.tsv (and the Hub's train split) holds two pairs whose question2 is empty (huggingface/datasets#277),
+    # which transformers' QqpProcessor and `datasets` keep as ""; elsewhere an empty sentence means a misread file.
+    empty_text_ok: bool = False
 
     @property
     def num_labels(self) -> int:
@@ -84,7 +88,7 @@ TASKS: dict[str, GlueTask] = {
     "stsb": GlueTask("stsb", None, train=Layout(7, 8, -1, 0), dev=Layout(7, 8, -1, 0),
                      test=Layout(7, 8, None, 0), submission=("STS-B.tsv",), folder="STS-B"),
     "qqp": GlueTask("qqp", ("0", "1"), train=Layout(3, 4, 5, 0), dev=Layout(3, 4, 5, 0),
-                    test=Layout(1, 2, None, 0), submission=("QQP.tsv",), folder="QQP"),
+                    test=Layout(1, 2, None, 0), submission=("QQP.tsv",), folder="QQP", empty_text_ok=True),
     "mnli": GlueTask("mnli", ("contradiction", "entailment", "neutral"),
                      train=Layout(8, 9, -1, 0), dev=Layout(8, 9, -1, 0), test=Layout(8, 9, None, 0),
                      dev_files=(("mnli-m", "dev_matched.tsv"), ("mnli-mm", "dev_mismatched.tsv")),
@@ -157,8 +161,8 @@ class GlueExample:
 
 
 def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> list[GlueExample]:
-    """Read one GLUE TSV split; a short row, an empty sentence or a label outside the task's set is a
-    `ValueError` naming the file and the 1-based line."""
+    """Read one GLUE TSV split; a short row, an empty sentence (except QQP's: `empty_text_ok`) or a label outside
+    the task's set is a `ValueError` naming the file and the 1-based line."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{task.name}: data file {path} does not exist")
@@ -166,6 +170,7 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
     # A negative index (the label as the last column) must not fall on a text column of a short row.
     need = max(i for i in cols if i >= 0) + 1 + any(i < 0 for i in cols)
     examples: list[GlueExample] = []
+    empty: list[str] = []  # where a kept row has an empty sentence (tasks with `empty_text_ok`)
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             for lineno, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
@@ -180,7 +185,9 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
                 text_a = row[layout.text_a]
                 text_b = row[layout.text_b] if layout.text_b is not None else None
                 if not text_a.strip() or (text_b is not None and not text_b.strip()):
-                    raise ValueError(f"{where}: empty sentence")
+                    if not task.empty_text_ok:
+                        raise ValueError(f"{where}: empty sentence")
+                    empty.append(where)
                 label: str | float | None = None
                 if layout.label is not None:
                     raw = row[layout.label].strip()
@@ -202,7 +209,14 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
         raise ValueError(f"{path}: malformed TSV: {e}") from None
     if not examples:
         raise ValueError(f"{path}: no examples")
+    _warn_empty(task, path, empty, len(examples))
     return examples
+
+
+def _warn_empty(task: GlueTask, path: object, empty: list[str], total: int) -> None:
+    if empty:
+        log.warning("%s: %d of %d %s rows have an empty sentence (first: %s); kept, as transformers and datasets "
+                    "keep them", path, len(empty), total, task.name, empty[0])
 
 
 # ----------------------------------------------------------------------------------------------- the Hub's layout
@@ -309,6 +323,7 @@ def read_glue_table(files: list[Path], fmt: str, task: GlueTask, labelled: bool)
     cols = HUB_COLUMNS[task.name]
     texts = [c for c in (cols.text_a, cols.text_b) if c is not None]
     examples: list[GlueExample] = []
+    empty: list[str] = []  # where a kept row has an empty sentence (tasks with `empty_text_ok`)
     for path in files:
         with Table(path, fmt) as t:
             for c in texts:
@@ -332,7 +347,10 @@ def read_glue_table(files: list[Path], fmt: str, task: GlueTask, labelled: bool)
             text_a = data[cols.text_a][row]
             text_b = data[cols.text_b][row] if cols.text_b is not None else None
             if not text_a or not text_a.strip() or (cols.text_b is not None and (not text_b or not text_b.strip())):
-                raise ValueError(f"{where}: empty sentence")
+                if not task.empty_text_ok:
+                    raise ValueError(f"{where}: empty sentence")
+                empty.append(where)
+                text_a, text_b = text_a or "", (text_b or "") if cols.text_b is not None else None
             label = _hub_label(task, data["label"][row], where, float32) if labelled else None
             if has_idx and data["idx"][row] is None:
                 raise ValueError(f"{where}: column 'idx' is empty, expected the example's id")
@@ -340,6 +358,7 @@ def read_glue_table(files: list[Path], fmt: str, task: GlueTask, labelled: bool)
             examples.append(GlueExample(where, text_a, text_b, label, index))
     if not examples:
         raise ValueError(f"{', '.join(map(str, files))}: no examples")
+    _warn_empty(task, ", ".join(map(str, files)), empty, len(examples))
     return examples
 
 
@@ -419,3 +438,51 @@ def write_submission(path: str | os.PathLike, task: GlueTask, examples: list[Glu
         raise ValueError(f"{len(preds)} predictions for {len(examples)} test examples")
     lines = ["index\tprediction"] + [f"{ex.index}\t{s}" for ex, s in zip(examples, label_strings(task, preds))]
     atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- AX, model labels
+
+DIAGNOSTIC_SUBMISSION = "AX.tsv"
+"""The GLUE server's file for the diagnostic set (AX): the MNLI model's predictions, MNLI's label strings. The
+server takes a submission only with all eleven files (CoLA ... WNLI.tsv, MNLI-m/-mm.tsv and AX.tsv)."""
+_DIAGNOSTIC = Layout(text_a=1, text_b=2, label=None, index=0)  # diagnostic.tsv: index, sentence1, sentence2
+
+
+def read_diagnostic(data_dir: str | os.PathLike) -> list[GlueExample] | None:
+    """The GLUE diagnostic set (AX) for an MNLI data folder, or None where there is none: the GLUE distribution's
+    `diagnostic/diagnostic.tsv` beside `MNLI/` (or in the folder itself), or the Hub's `ax/test-*.parquet` beside
+    `mnli/` (nyu-mll/glue: premise, hypothesis, label -1, idx)."""
+    data_dir = Path(data_dir)
+    mnli = TASKS["mnli"]
+    for d in (data_dir, data_dir / "diagnostic", data_dir.parent / "diagnostic"):
+        if (d / "diagnostic.tsv").is_file():
+            return read_glue_tsv(d / "diagnostic.tsv", mnli, _DIAGNOSTIC)
+    for d in (data_dir / "ax", data_dir.parent / "ax"):
+        if d.is_dir() and hub_split_files(d, "test"):
+            return read_glue_table(hub_split_files(d, "test"), "parquet", mnli, labelled=False)
+    return None
+
+
+def model_label_ids(task: GlueTask, id2label: dict[int, str] | None) -> np.ndarray | None:
+    """For a classifier whose config.json names its classes (id2label), the task's label id of each model class
+    id (`ids[pred]`), where the model orders them otherwise than `task.labels`; None where the order is the same
+    or the names say nothing (LABEL_0, ...). A model fine-tuned with transformers' run_glue.py on `datasets` has
+    MNLI's classes as entailment, neutral, contradiction, run_classifier.py's as contradiction, entailment,
+    neutral: the same class id means another class. Names are matched case-insensitively against the TSV labels
+    and the Hub's ClassLabel names (SST-2's negative/positive ...); names of neither are a ValueError."""
+    if task.is_regression or not id2label:
+        return None
+    names = [str(id2label[k]).strip().lower() for k in sorted(id2label)]
+    if all(n.startswith("label_") and n[6:].isdigit() for n in names):
+        return None
+    assert task.labels is not None
+    alias = {lab.lower(): j for j, lab in enumerate(task.labels)}
+    hub = HUB_COLUMNS.get(task.name)
+    if hub is not None and hub.class_names is not None and hub.tsv_labels is not None:
+        alias.update({c.lower(): task.labels.index(t) for c, t in zip(hub.class_names, hub.tsv_labels)})
+    ids = [alias.get(n) for n in names]
+    if len(names) != task.num_labels or None in ids or len(set(ids)) != len(ids):
+        raise ValueError(f"the model's id2label names the classes {[id2label[k] for k in sorted(id2label)]}, which "
+                         f"are not {task.name}'s {list(task.labels)} in some order: fine-tune it on {task.name} "
+                         "first, or give its config.json the task's label names")
+    return None if ids == list(range(task.num_labels)) else np.asarray(ids, dtype=np.int64)
