@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,43 @@ def test_resume_on_another_world_size(runs: dict[int, Path], tmp_path: Path) -> 
     assert resumed["step"] == 4
     assert_state_close(straight, resumed["params"], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(losses(out), losses(runs[1])[2:], rtol=1e-5, atol=1e-6)
+
+
+def _resume_worker(rank: int, world_size: int, cfg_dict: dict, resume: str, allow: bool) -> None:
+    from bertrain.config import from_dict
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    cfg = from_dict(PretrainConfig, cfg_dict)
+    result = run_pretraining(cfg, resume=resume, allow_config_change=allow)
+    torch.save({"params": {k: v.detach().clone() for k, v in result.model.state_dict().items()},
+                "step": result.state.step, "batch": result.run.plan.global_batch_size},
+               Path(cfg.output_dir) / f"rank{rank}.pt")
+
+
+def test_a_resume_that_would_change_a_derived_global_batch_is_refused(tmp_path: Path) -> None:
+    """`train.global_batch_size: 0` with `train.accumulation: 2`: the batch is micro x accumulation x ranks, 16 on 2
+    ranks. Resumed (or elastically restarted) on 1 rank with the same config it would be 8: refused like a changed
+    batch key, naming the cause and how to keep the batch; that advice, taken, continues the run allclose to the
+    straight one. Before: one warning, and the run went on with half the batch."""
+    straight = tmp_path / "w2"
+    cfg = base_config(straight, global_batch_size=0, accumulation=2)
+    spawn(_train_worker, 2, cfg, None)
+    out = tmp_path / "resumed"  # the run as a kill during step 3 leaves it
+    shutil.copytree(straight, out, ignore=shutil.ignore_patterns("step-4", "rank*.pt"))
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(Exception) as refused:
+        spawn(_resume_worker, 1, base_config(out, global_batch_size=0, accumulation=2), "auto", False)
+    assert "the global batch would change from 16 to 8 (train.global_batch_size is 0, so it is " \
+           "train.micro_batch_size 4 x train.accumulation 2 x the ranks: 2 then, 1 now): continue on 2 ranks, keep " \
+           "it on 1 ranks with --train.accumulation 4 --allow-config-change" in str(refused.value)
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before  # nothing written
+    spawn(_resume_worker, 1, base_config(out, global_batch_size=0, accumulation=4), "auto", True)
+    resumed = torch.load(out / "rank0.pt")
+    assert resumed["step"] == 4 and resumed["batch"] == 16
+    assert_state_close(torch.load(straight / "rank0.pt")["params"], resumed["params"], rtol=1e-4, atol=1e-6)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["changes"] for r in records if r.get("event") == "config_change"] == \
+        [{"train.accumulation": {"old": 2, "new": 4}}]
+    torch.testing.assert_close([r["loss"] for r in records if "loss" in r], losses(straight), rtol=1e-5, atol=1e-6)
 
 
 def test_two_ranks_equal_one_rank_with_two_micro_steps_bitwise(tmp_path: Path) -> None:

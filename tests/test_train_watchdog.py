@@ -104,6 +104,29 @@ def test_a_store_that_fails_names_rank_0() -> None:
     assert m.culprits(100.0) == ["rank 0 (pid 7 on head) is gone (its rendezvous store: Broken pipe)"]
 
 
+def test_a_store_held_by_torchruns_agent_names_the_launcher_not_rank_0() -> None:
+    """Under torchrun the workers share the agent's store: its failure means the launcher is gone (rank 0 still
+    runs), and the watchdog stops the run on it (`launcher_gone`). Before: "rank 0 (pid 7 on head) ... is gone"."""
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "head", "MASTER_PORT": "29400"}
+    owner = heartbeat_module.agent_store_owner(env)
+    assert owner == "torchrun's agent (the launcher, at head:29400)"
+    assert heartbeat_module.agent_store_owner({"MASTER_ADDR": "head"}) is None  # srun, mpirun: rank 0 holds it
+    m = HeartbeatMonitor([0], timeout_s=5, collective_timeout_s=60, now=0.0, store_host=None, store_owner=owner)
+    m.observe(0, value(1, pid=7, host="head"), 0.0)
+    assert not m.launcher_gone
+    (level, line), = m.lose_store("Broken pipe")
+    assert level == logging.ERROR and line.startswith(
+        "torchrun's agent (the launcher, at head:29400), which holds the rendezvous store, is gone (Broken pipe): "
+        "killed? Nothing watches, stops or restarts these workers any more, so every rank saves a checkpoint at the "
+        "end of this step and stops (exit code 3)")
+    assert m.launcher_gone
+    assert m.culprits(1.0) == ["torchrun's agent (the launcher, at head:29400) is gone (its rendezvous store: "
+                               "Broken pipe)"]
+    rank0 = HeartbeatMonitor([0], timeout_s=5, collective_timeout_s=60, now=0.0, store_host=0)
+    rank0.lose_store("Broken pipe")
+    assert not rank0.launcher_gone  # a dead rank 0 fails the collectives anyway: RankLost, as before
+
+
 def test_heartbeat_value_names_this_process() -> None:
     info = json.loads(heartbeat_value(3, 12, "failed", "OSError: disk full"))
     assert info == {"beat": 3, "step": 12, "pid": os.getpid(), "host": HOST, "status": "failed",
@@ -246,6 +269,47 @@ def test_a_step_boundary_within_the_grace_leaves_the_stop_to_the_trainer(tmp_pat
         wd.step_done(1)
         time.sleep(0.6)
     assert stop.requested and exits.codes == []
+
+
+def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the watchdog thread did not see the signal"
+        time.sleep(0.01)
+
+
+def test_once_the_step_loop_is_over_the_grace_never_cuts_the_last_save(tmp_path: Path, exits: Exits) -> None:
+    """`steps_over`: the trainer's loop has ended and the last checkpoint is being written. A stop signal that came
+    between two steps (the grace armed, and no step boundary follows: the trainer stops at the end of the step it
+    then starts and saves it) or that comes during that save must not end the process however long the save
+    takes. Before: `stop_grace_s` after the signal the watchdog exited 3 mid-save ("step N+1 has not finished")."""
+    cfg = DistributedConfig(stop_grace_s=5)  # the thread's own checks never reach it: the test's checks decide
+    later = lambda: time.monotonic() + 10 * cfg.stop_grace_s  # noqa: E731 - long past the grace, without waiting
+    with StopSignal() as stop, Watchdog(ONE, cfg, stop, tmp_path, exit_fn=exits) as wd:
+        wd.step_done(2)
+        os.kill(os.getpid(), signal.SIGTERM)  # while step 3's batches load
+        _until(lambda: wd._stop_at is not None)
+        wd.steps_over()  # step 3 ran and the loop returned: its save starts
+        wd._check_grace(later())
+        assert exits.codes == []
+    with StopSignal() as stop, Watchdog(ONE, cfg, stop, tmp_path, exit_fn=exits) as wd:
+        wd.step_done(5)
+        wd.steps_over()  # the last step's save
+        os.kill(os.getpid(), signal.SIGTERM)
+        _until(lambda: wd._stop_at is not None)
+        wd._check_grace(later())
+        assert exits.codes == [] and stop.requested
+        os.kill(os.getpid(), signal.SIGINT)  # but a second SIGINT still exits at once
+        assert exits.event.wait(5)
+    assert exits.codes == [EXIT_STOPPED]
+    # while the loop runs, the grace still ends a step that outlived it
+    exits.codes.clear()
+    with StopSignal() as stop, Watchdog(ONE, cfg, stop, tmp_path, exit_fn=exits) as wd:
+        wd.step_done(2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        _until(lambda: wd._stop_at is not None)
+        wd._check_grace(later())
+        assert exits.codes == [EXIT_STOPPED]
 
 
 def test_a_second_sigint_exits_at_once(tmp_path: Path, exits: Exits, caplog: pytest.LogCaptureFixture) -> None:

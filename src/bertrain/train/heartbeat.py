@@ -70,12 +70,16 @@ class HeartbeatMonitor:
     the lines to log (each situation once). Thread-safe; no I/O."""
 
     def __init__(self, ranks: list[int], timeout_s: float, collective_timeout_s: float, now: float,
-                 store_host: int | None = None, identities: dict[int, dict[str, Any]] | None = None) -> None:
+                 store_host: int | None = None, identities: dict[int, dict[str, Any]] | None = None,
+                 store_owner: str | None = None) -> None:
         self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         self.store_host = store_host
+        self.store_owner = store_owner
+        """The process holding the store when no rank does (`store_host` None): torchrun's agent, the launcher."""
         self.peers = {r: Peer(r, now, info=dict((identities or {}).get(r, {}))) for r in ranks}
         self.store_lost: str | None = None
-        """Why the rendezvous store stopped answering with an error (its host, rank 0, is gone)."""
+        """Why the rendezvous store stopped answering with an error (its holder, rank 0 or torchrun's agent, is
+        gone)."""
         self._lock = threading.Lock()
 
     def observe(self, rank: int, raw: bytes | None, now: float) -> list[tuple[int, str]]:
@@ -105,9 +109,19 @@ class HeartbeatMonitor:
             if self.store_lost is not None:
                 return []
             self.store_lost = reason
+            if self.store_owner is not None and self.store_host is None:
+                return [(logging.ERROR, f"{self.store_owner}, which holds the rendezvous store, is gone ({reason}): "
+                                        "killed? Nothing watches, stops or restarts these workers any more, so every "
+                                        "rank saves a checkpoint at the end of this step and stops (exit code 3); "
+                                        "continue with --resume auto under a new launcher")]
             host = self.peers[self.store_host].name() if self.store_host in self.peers else "rank 0"
         return [(logging.ERROR, f"{host}, which holds the rendezvous store, is gone ({reason}): crashed or killed? "
                                 "The other ranks stop at their next collective")]
+
+    @property
+    def launcher_gone(self) -> bool:
+        """The store failed and its holder is the launcher, not a rank: the ranks themselves still run."""
+        return self.store_lost is not None and self.store_owner is not None and self.store_host is None
 
     def check(self, now: float) -> list[tuple[int, str]]:
         """Lines for ranks silent for `timeout_s` (each reported once until it answers again)."""
@@ -138,6 +152,8 @@ class HeartbeatMonitor:
             if self.store_lost and self.store_host in self.peers:
                 failed.insert(0, f"{self.peers[self.store_host].name()} is gone (its rendezvous store: "
                                  f"{self.store_lost})")
+            elif self.store_lost and self.store_owner is not None:
+                failed.insert(0, f"{self.store_owner} is gone (its rendezvous store: {self.store_lost})")
         return failed + silent
 
 
@@ -154,8 +170,10 @@ class Heartbeat:
         """The last step this rank finished (set by `Watchdog.step_done`), written in each heartbeat."""
         rank, world = dist.rank, dist.world_size
         watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
+        owner = agent_store_owner()
         self.monitor = HeartbeatMonitor(watched, cfg.heartbeat_timeout_s, cfg.timeout_s, time.monotonic(),
-                                        store_host=0, identities=dict(enumerate(rank_identities())))
+                                        store_host=None if owner else 0,
+                                        identities=dict(enumerate(rank_identities())), store_owner=owner)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat = 0
@@ -319,6 +337,16 @@ class Heartbeat:
         t.start()
         self._wait_out(t)
         return list(found)
+
+
+def agent_store_owner(env: dict[str, str] | None = None) -> str | None:
+    """Who holds the rendezvous store when it is not rank 0: torchrun's agent (the launcher process), whose store
+    the workers share (`TORCHELASTIC_USE_AGENT_STORE`, see `train/launch.restart_isolated_store`); else None."""
+    env = dict(os.environ) if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return f"torchrun's agent (the launcher, at {where})"
 
 
 def is_timeout(e: BaseException) -> bool:

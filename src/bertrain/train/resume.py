@@ -160,6 +160,31 @@ def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str
     return changing
 
 
+def check_global_batch(path: Path, saved: dict[str, Any], plan: BatchPlan, allow_change: bool) -> None:
+    """Refuse a resume whose global batch differs from the checkpoint's although no batch key changed: with
+    `train.global_batch_size` 0 the batch is micro x accumulation x world size, so a resume (or an elastic restart)
+    on another number of ranks would silently train on another batch. A changed batch key was already refused (or
+    allowed) by `check_config`; with `--allow-config-change` a warning says what changes."""
+    old = int(saved["global_batch_size"])
+    if old == plan.global_batch_size:
+        return
+    if allow_change:
+        log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
+                    "a straight run", old, plan.global_batch_size)
+        return
+    old_world = int(saved.get("world_size", 0)) or "?"
+    keep = ""
+    if old % (plan.micro_batch_size * plan.world_size) == 0:
+        keep = (f" keep it on {plan.world_size} ranks with --train.accumulation "
+                f"{old // (plan.micro_batch_size * plan.world_size)} --allow-config-change (or "
+                f"--train.global_batch_size {old} --train.accumulation 0, which keeps it on any number of ranks),")
+    raise UserError(f"--resume {path}: the global batch would change from {old} to {plan.global_batch_size} "
+                    f"(train.global_batch_size is 0, so it is train.micro_batch_size {plan.micro_batch_size} x "
+                    f"train.accumulation {plan.accumulation} x the ranks: {old_world} then, {plan.world_size} now): "
+                    f"continue on {old_world} ranks,{keep} or pass --allow-config-change to continue with "
+                    f"{plan.global_batch_size}")
+
+
 def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan,
             allow_change: bool = False) -> dict[str, tuple]:
     """Load a checkpoint into the run's registry of states (`train/states.py`: every entry it holds); returns the
@@ -169,6 +194,7 @@ def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: Traine
         raise UserError(f"--resume: {path} was written by an older bertrain (train_state version "
                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
     changes = check_config(path, cfg, allow_change)
+    check_global_batch(path, ts["batch"], plan, allow_change)
     model, optimizer, scheduler = states["model"], states["optimizer"], states["scheduler"]
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if "optim.name" in changes:
@@ -191,9 +217,6 @@ def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: Traine
             scheduler.step()
         log.warning("resuming with a changed config (--allow-config-change): %s",
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-    if ts["batch"]["global_batch_size"] != plan.global_batch_size:
-        log.warning("the global batch size changed since the checkpoint (%d, now %d): the data order differs from "
-                    "a straight run", ts["batch"]["global_batch_size"], plan.global_batch_size)
     log.info("resumed from %s at step %d (epoch %d, %d samples)", path, ts["state"]["step"], ts["state"]["epoch"],
              ts["state"]["samples"])
     return changes

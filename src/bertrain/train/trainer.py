@@ -225,6 +225,7 @@ class Trainer:
                 ml.log({"step": state.step, "event": "config_change",
                         "changes": {k: {"old": a, "new": b} for k, (a, b) in changes.items()}})
             stopped, last = run.steps(stop, ml, watchdog)
+            watchdog.steps_over()  # no step in flight: the stop grace must not cut the last save
             interval = cfg.checkpoint.save_interval
             if stopped or interval == 0 or state.step % interval != 0:
                 run.save()

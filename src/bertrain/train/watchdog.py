@@ -76,6 +76,15 @@ class StopSignal:
                     signal.Signals(signum).name)
         return True
 
+    def request_for(self, reason: str) -> bool:
+        """Ask to stop for `reason`, not a signal (the watchdog: the launcher is gone); True the first time."""
+        with self._lock:
+            if self.requested:
+                return False
+            self.requested = True
+        log.warning("%s: will save a checkpoint at the end of this step and stop", reason)
+        return True
+
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested and signum == signal.SIGINT and not self.watched:
             raise KeyboardInterrupt
@@ -210,7 +219,8 @@ def _flush_logs() -> None:
 
 class Watchdog:
     """`with StopSignal() as stop, Watchdog(dist, cfg.distributed, stop, output_dir) as watchdog:` around the step
-    loop; `watchdog.step_done(step)` once per step, at the end of the step (after its periodic save).
+    loop; `watchdog.step_done(step)` once per step, at the end of the step (after its periodic save);
+    `watchdog.steps_over()` once the loop has ended, before the last save.
 
     Its thread ("bertrain-watchdog") handles the signals and the stop grace, and logs what the rank's `Heartbeat`
     (`bertrain.train.heartbeat`, multi-process runs) has seen; leaving the block turns a failed collective into
@@ -233,6 +243,7 @@ class Watchdog:
         self._stop_at: float | None = None
         self._boundaries_at_stop = 0
         self._grace_over = False
+        self._steps_over = False
         self._exited = False
 
     # -- the trainer's side
@@ -243,6 +254,17 @@ class Watchdog:
         self._boundaries += 1
         if self.heartbeat is not None:
             self.heartbeat.step = step
+
+    def steps_over(self) -> None:
+        """The step loop has ended (its last step finished: the run's end, a stop signal, a time budget, an early
+        stop). No step is in flight any more, so the stop grace, armed or not, no longer applies: what remains in
+        the block is the last checkpoint's save, which a signal must not cut however long it takes (a collective
+        hung in it still fails after `distributed.timeout_s`, as `RankLost`). A second SIGINT still exits at once.
+
+        Why the trainer must say so: it shares a stop flag at the start of a step, so a signal that lands before
+        that (while the step's batches load) stops the run at the end of that step and saves it without another
+        `step_done`; without this call the grace kept running through that step and the save, and cut the save."""
+        self._steps_over = True
 
     def explain(self, exc: BaseException) -> str | None:
         """One line for a failed collective (who stopped answering, the last complete checkpoint), or None if
@@ -325,6 +347,9 @@ class Watchdog:
                 self._check_grace(now)
                 if self.heartbeat is not None:
                     self.heartbeat.check(now)
+                    if self.heartbeat.monitor.launcher_gone and not self.stop.requested:
+                        # the ranks still run and their collectives work: they stop together at a step boundary
+                        self.stop.request_for(f"rank {self.dist.rank}: the launcher is gone")
             except Exception:  # the watchdog must never take the run down by itself
                 log.debug("watchdog loop error", exc_info=True)
                 if self._rfd < 0 and self.heartbeat is None:
@@ -355,7 +380,7 @@ class Watchdog:
     def _check_grace(self, now: float) -> None:
         if self._stop_at is None or self._grace_over:
             return
-        if self._boundaries != self._boundaries_at_stop:
+        if self._steps_over or self._boundaries != self._boundaries_at_stop:
             self._grace_over = True  # the loop reached a step boundary: the stop is in the trainer's hands
             return
         if now - self._stop_at < self.cfg.stop_grace_s:
