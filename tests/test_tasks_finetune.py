@@ -285,6 +285,8 @@ def test_shipped_finetune_configs_load(name, cls_name):
                     {"data.task": "mrpc", "data.data_dir": "d"})
     cfg = C.load_config(getattr(F, cls_name), path, required)
     assert cfg.schedule.warmup == 0.1 and cfg.optim.name == "adamw" and cfg.optim.weight_decay == 0.01
+    from bertrain.train.config import resolve_batch  # the recipe's batch of 32 on 1 or 2 ranks (it was 32 x ranks)
+    assert [resolve_batch(cfg.train, w).global_batch_size for w in (1, 2)] == [32, 32]
 
 
 def test_squad_labels_and_postprocessing_agree_tiny_overfit(tmp_path, tiny_model, capsys):
