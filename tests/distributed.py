@@ -25,6 +25,23 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 
 
+def base_config(out: Path, **train: object) -> dict:
+    """A tiny synthetic pretraining run of 4 steps on any number of ranks (dropout on, checkpoints every 2)."""
+    return {
+        # dropout on: masks are seeded by the micro-batch's place in the global batch, not by the rank
+        "model": {"preset": "tiny", "dropout": 0.1},
+        "data": {"synthetic_samples": 256, "vocab_size": 100},
+        "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
+        "train": {"steps": 4, "global_batch_size": 16, "micro_batch_size": 4, "log_interval": 1, **train},
+        "optim": {"name": "lamb", "lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 1.0},
+        "schedule": {"name": "poly", "warmup": 0.25},
+        "checkpoint": {"save_interval": 2, "keep_last": 0, "export_final": False},
+        "distributed": {"timeout_s": 120},
+        "seed": 7,
+        "output_dir": str(out),
+    }
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import spawn
-from test_train_distributed import base_config
+from distributed import base_config, spawn
 
 pytestmark = pytest.mark.slow
 
