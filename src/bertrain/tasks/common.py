@@ -10,7 +10,6 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bertrain.data.tokenizer import vocab_lines
 from bertrain.model.hf import resolve_model_dir, vocab_from_tokenizer_json
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -65,6 +64,8 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
         if vocab_bytes is None:
             raise ValueError(f"model folder {model_dir} has no vocab.txt (needed for the tokenizer)"
                              + (f", and its tokenizer.json {why}" if why else ""))
+        from bertrain.data.tokenizer import vocab_lines  # only here: predict and serve need no corpus readers
+
         tokens = vocab_lines(vocab_bytes.decode("utf-8"))[:-1]  # (the text ends with a newline)
         source = {t: i for i, t in enumerate(tokens)}
         if do_lower_case is None:
