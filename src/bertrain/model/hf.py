@@ -197,6 +197,15 @@ def hub_id_of(path: str | os.PathLike) -> str | None:
     return f"{m['org']}/{m['name']}" if m["name"] else m["org"]
 
 
+def model_dir_or_name(name_or_path: str | os.PathLike) -> str:
+    """`resolve_model_dir`'s folder, or `name_or_path` itself where it does not resolve here: what a rank compares
+    with the other ranks' (`same_paths_on_every_rank`); loading the model names what is wrong."""
+    try:
+        return os.fspath(resolve_model_dir(name_or_path))
+    except (ValueError, OSError):
+        return os.fspath(name_or_path)
+
+
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """The folder of a model named by a path or a Hub model id.
 

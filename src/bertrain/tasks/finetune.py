@@ -22,6 +22,7 @@ from torch import nn
 from bertrain.config import save_config
 from bertrain.data.sampler import ArrayLoader
 from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+from bertrain.model.hf import model_dir_or_name
 from bertrain.model.losses import classification_loss_sums, qa_loss_sums
 from bertrain.model.options import apply_model_options
 from bertrain.tasks.common import load_task_tokenizer
@@ -36,7 +37,7 @@ from bertrain.tasks.squad import (SquadFeatureConfig, SquadPostprocessConfig, at
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import (BatchPlan, CheckpointConfig, EvalConfig, OptimConfig, ScheduleConfig, TrainConfig,
                                    TrainerConfig)
-from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
+from bertrain.train.distributed import DistInfo, distributed_context, on_rank0, same_paths_on_every_rank
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.evaluation import OnEval
@@ -351,6 +352,9 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite):
+        same_paths_on_every_rank({"init": model_dir_or_name(cfg.init),
+                                  "data.train_file": d.train_file if cfg.do_train else "",
+                                  "data.dev_file": d.dev_file if cfg.do_eval else ""})
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
         results: dict[str, Any] = {"task": "squad", "version": "2.0" if v2 else "1.1", "init": cfg.init}
@@ -470,6 +474,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite):
+        same_paths_on_every_rank({"init": model_dir_or_name(cfg.init), "data.data_dir": d.data_dir})
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
         results: dict[str, Any] = {"task": task.name, "init": cfg.init, "max_seq_length": d.max_seq_length}

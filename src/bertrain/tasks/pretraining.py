@@ -29,11 +29,12 @@ from bertrain.data.store import heldout_status
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.hf import config_from_json_file, tokenizer_files_from_vocab
+from bertrain.model.hf import config_from_json_file, model_dir_or_name, tokenizer_files_from_vocab
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
-from bertrain.train.distributed import DistInfo, all_reduce_sum, distributed_context, on_rank0
+from bertrain.train.distributed import (DistInfo, all_reduce_sum, distributed_context, on_rank0,
+                                       same_paths_on_every_rank)
 from bertrain.train.metrics import plot_metrics
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
@@ -383,6 +384,7 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
     out = Path(cfg.output_dir)
     check_model_fits_samples(cfg)
     with distributed_context(cfg.distributed) as dist, run_folder(out, "pretrain", dist, resume, overwrite):
+        same_paths_on_every_rank(input_paths(cfg))
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
         run = Trainer(cfg, dist).fit(task, resume, allow_config_change)
         result = PretrainResult(run, out)
@@ -391,6 +393,15 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
             results = {"steps": run.state.step, "train": run.last_metrics, "evaluation": run.evaluation}
             run.finish(results, result.final_dir, out / "metrics.png")
         return result
+
+
+def input_paths(cfg: PretrainConfig) -> dict[str, str]:
+    """What every rank reads itself, by config key (`same_paths_on_every_rank`); a raw corpus is read by rank 0
+    alone, into the output folder (`check_shared_output`)."""
+    d, m = cfg.data, cfg.model
+    return {"data.prepared": d.prepared if d.source == "prepared" else "", "data.vocab_file": d.vocab_file or "",
+            "model.init": model_dir_or_name(m.init) if m.init else "",
+            "model.preset": m.preset if m.preset.endswith(".json") else ""}
 
 
 def _finish(cfg: PretrainConfig, model: nn.Module) -> Path | None:

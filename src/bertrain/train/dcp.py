@@ -90,13 +90,20 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
     tmp = Path(shared)
     try:
         state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-        torch_dcp.save(state, checkpoint_id=tmp / DCP_DIR, no_dist=not is_distributed())
+        metadata = torch_dcp.save(state, checkpoint_id=tmp / DCP_DIR, no_dist=not is_distributed())
     except torch_dcp.CheckpointException as e:  # raised on every rank when any rank failed to write its shards
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise OutputError(f"writing the shards of checkpoint step-{step} in {output_dir} failed: {e}") from None
-    # every file exists now (DCP's save ends after rank 0 wrote the metadata): each rank hashes a share of them
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    # every file exists now (DCP's save ends after rank 0 wrote the metadata): each rank hashes a share of them.
+    # The list is rank 0's, and names every shard file of DCP's metadata (every rank's, wherever it wrote it),
+    # not what each rank's directory listing shows: a shared filesystem may list another node's new file late, and
+    # a share taken from two different listings would leave files out of the manifest.
+    names = None
+    if dist.is_main:
+        names = sorted({str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()}
+                       | {f"{DCP_DIR}/{info.relative_path}" for info in (metadata.storage_data or {}).values()})
+    files = [tmp / name for name in broadcast_object(names)]
     mine: dict[str, Any] = {}
     try:
         for p in files[dist.rank::dist.world_size]:

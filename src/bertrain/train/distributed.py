@@ -249,6 +249,45 @@ def on_rank0(what: str, fn: Callable[[], T], long: bool = False) -> T:
     raise RuntimeError(message + " (see rank 0's log)")
 
 
+def describe_ranks(ranks: list[int]) -> str:
+    """"ranks 0-3 on host-a, rank 4 on host-b": `ranks` grouped by the host each runs on (from the identities
+    gathered at start-up; without them, by rank only)."""
+    hosts = [i.get("host", "?") for i in rank_identities()]
+    groups: list[tuple[str, list[int]]] = []
+    for r in sorted(ranks):
+        host = hosts[r] if r < len(hosts) else None
+        if groups and groups[-1][0] == host and groups[-1][1][-1] == r - 1:
+            groups[-1][1].append(r)
+        else:
+            groups.append((host, [r]))
+    parts = []
+    for host, rs in groups:
+        name = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs[0]}-{rs[-1]}"
+        parts.append(name if host is None else f"{name} on {host}")
+    return ", ".join(parts)
+
+
+def same_paths_on_every_rank(paths: dict[str, Any]) -> None:
+    """Refuse a job whose ranks do not see the same inputs. Each rank checks which of `paths` (config key -> path;
+    empty entries skipped) exist where it runs; if some ranks see a path that others do not (a copy missing on one
+    node, a node-local disk), every rank raises the same one-line `UserError` naming the key, the path and the
+    ranks and hosts on each side: before, the rank without it failed alone and the others crashed in their next
+    collective with the transport's "connection closed" traceback. A path missing on every rank is left to the
+    usual checks, whose messages say more. Collective: every rank calls it with the same keys."""
+    if not is_distributed():
+        return
+    items = {key: os.fspath(path) for key, path in paths.items() if path}
+    seen = gather_objects({key: (path, os.path.exists(path)) for key, path in items.items()})
+    for key in dict.fromkeys(k for s in seen for k in s):  # every rank's keys, in order
+        have = [r for r, s in enumerate(seen) if s.get(key, ("", False))[1]]
+        if 0 < len(have) < len(seen):
+            path = seen[have[0]][key][0]
+            lack = [r for r in range(len(seen)) if r not in have]
+            raise UserError(f"config key '{key}': {path} exists for {describe_ranks(have)} but not for "
+                            f"{describe_ranks(lack)}: every rank reads it, so every node must see it at the same "
+                            "path (copy it there, or put it on a filesystem that every node mounts)")
+
+
 def _error_kind(e: BaseException) -> str:
     """How the other ranks should fail when rank 0 failed with `e` (the exit-code classes of utils/errors.py)."""
     if isinstance(e, (RunStopped, KeyboardInterrupt)):

@@ -2,7 +2,8 @@
 
 * `run_folder`: rank 0 locks the output folder for the whole command (`OutputLock`) and claims it for this run
   (`claim_run_folder`: a new run never mixes into, or destroys, another run's folder); every rank learns the
-  outcome, so an error never leaves a rank waiting.
+  outcome, so an error never leaves a rank waiting, and every rank must find the run's record there
+  (`check_shared_output`: a multi-node job needs its output folder on a filesystem every node mounts).
 * `find_resume_checkpoint`: rank 0 chooses (the newest complete, checksum-verified checkpoint for "auto") and
   broadcasts the choice. If checkpoints exist but none is usable, that is an error, not a silent fresh start.
 * `config_changes` / `restore`: the new resolved config is compared with the checkpoint's. Keys that keep the run
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -25,10 +27,10 @@ from bertrain.config import flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig
 from bertrain.train.dcp import load_model_and_optimizer
-from bertrain.train.distributed import DistInfo, on_rank0
+from bertrain.train.distributed import DistInfo, describe_ranks, gather_objects, on_rank0
 from bertrain.train.states import Stateful, load_entries
 from bertrain.utils.errors import UserError
-from bertrain.utils.rundir import OutputLock, claim_run_folder
+from bertrain.utils.rundir import OutputLock, claim_run_folder, read_run
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +98,48 @@ def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | Non
     """Hold the output folder for this run (see the module docstring)."""
     with contextlib.ExitStack() as held:  # releases the lock on every way out
 
-        def claim() -> None:
+        def claim() -> str:
             held.enter_context(OutputLock(output_dir, command))
-            claim_run_folder(output_dir, command, resume, overwrite)
+            return claim_run_folder(output_dir, command, resume, overwrite)["run_id"]
 
-        on_rank0(f"use the output folder {output_dir}", claim)
+        run_id = on_rank0(f"use the output folder {output_dir}", claim)
+        check_shared_output(output_dir, run_id, dist)
         yield
+
+
+# How long a rank waits for the run.json rank 0 has just written to appear where it runs: a shared filesystem's
+# client may cache a directory for some seconds (NFS: acdirmin); a node-local folder never shows it.
+SHARED_OUTPUT_WAIT_S = float(os.environ.get("BERTRAIN_SHARED_OUTPUT_WAIT_S", "15"))
+
+
+def check_shared_output(output_dir: Path, run_id: str, dist: DistInfo) -> None:
+    """Refuse a job whose ranks do not share the output folder (collective). Rank 0 writes it, but every rank reads
+    the checkpoint to resume from, and under FSDP each rank writes its own shards into it: on node-local disks a
+    resume failed on the other nodes (and rank 0 crashed in its next collective), and FSDP wrote checkpoints whose
+    other-node shards were not there, marked complete. Each rank must find rank 0's run.json (this run's id) in
+    `output_dir`, waiting up to `SHARED_OUTPUT_WAIT_S` for a shared filesystem's caches."""
+    if dist.world_size == 1:
+        return
+    seen = "this run's run.json"
+    deadline = time.monotonic() + SHARED_OUTPUT_WAIT_S
+    while True:
+        record = read_run(output_dir)
+        if record is not None and record.get("run_id") == run_id:
+            seen = None
+            break
+        if time.monotonic() >= deadline:
+            seen = ("no run.json" if record is None else
+                    f"the run.json of another run ({record.get('run_id')}, started {record.get('started', '?')})")
+            break
+        time.sleep(0.2)
+    views = gather_objects(seen)
+    lack = [r for r, v in enumerate(views) if v is not None]
+    if lack:
+        raise UserError(
+            f"output folder {output_dir} is not shared by every rank: {describe_ranks(lack)} found "
+            f"{views[lack[0]]} there, where rank 0 wrote this run's (run {run_id}). Every rank reads the checkpoint "
+            "a run resumes from (and with parallelism.strategy fsdp writes its own shards of every checkpoint), so "
+            "output_dir must be on a filesystem that every node mounts at the same path (NFS, Lustre, GPFS, ...)")
 
 
 def find_resume_checkpoint(resume: str | None, output_dir: Path, dist: DistInfo) -> Path | None:

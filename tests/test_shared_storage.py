@@ -1,0 +1,153 @@
+"""Multi-node jobs whose ranks do not see the same files: a node-local output folder or a copy of the inputs that
+one node lacks is refused on every rank, naming what and where, before any work; FSDP's manifest lists every shard.
+
+Other nodes are simulated on this host by a rank that runs in its own mount namespace (`unshare -m`) with an empty
+tmpfs mounted over a folder: what a node with its own local disk at that path sees."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distributed import base_config, cli_env, free_port, rank_env, spawn, wait_all
+
+TIMEOUT = 300
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt && umount /mnt"],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="simulating a node-local disk needs root and "
+                                   "`unshare -m` with tmpfs mounts (util-linux)")
+
+
+def launch(argv: list[str], hidden: Path | None, world: int = 2, **env: str) -> list[subprocess.CompletedProcess]:
+    """`python -m bertrain ARGV` on `world` ranks; ranks 1.. run as on another node whose `hidden` folder is an empty
+    local disk (None: as on this node)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "bertrain", *argv]
+        if rank > 0 and hidden is not None:
+            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{hidden}" && exec "$@"', "sh", *cmd]
+        procs.append(subprocess.Popen(cmd, env=cli_env({**rank_env(rank, world, port), **env}),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return wait_all(procs, TIMEOUT)
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def last_line(r: subprocess.CompletedProcess) -> str:
+    return r.stdout.strip().splitlines()[-1]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@needs_unshare
+def test_an_output_folder_that_another_node_does_not_see_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Before: the straight run "worked" (rank 0 wrote every checkpoint), but `--resume auto` failed on the other
+    node (exit 2, "No such file .../train_state.pt") while rank 0 crashed with gloo's traceback (exit 1), and FSDP
+    wrote checkpoints marked complete without the other node's shards."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / "run"
+    config = write_config(tmp_path / "run.yaml", base_config(out))
+    argv = ["pretrain", "--config", str(config)]
+    for r in launch(argv, shared, BERTRAIN_SHARED_OUTPUT_WAIT_S="1"):
+        assert r.returncode == 2, r.stdout[-3000:]
+        line = last_line(r)
+        assert f"output folder {out} is not shared by every rank: rank 1 on " in line, line
+        assert "found no run.json there" in line and "a filesystem that every node mounts" in line, line
+        assert "Traceback" not in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing trained, nothing written
+    # the corrected command (every rank sees the folder) starts there as a new run
+    for r in launch(argv, None):
+        assert r.returncode == 0, r.stdout[-3000:]
+    assert (out / "step-4" / "COMPLETE").is_file()
+    # a resume from a node that does not see the run is refused too; the run's files are untouched
+    shutil.rmtree(out / "step-4")
+    before = snapshot(out)
+    results = launch([*argv, "--resume", "auto"], shared, BERTRAIN_SHARED_OUTPUT_WAIT_S="1")
+    assert [r.returncode for r in results] == [2, 2], results[0].stdout[-3000:]
+    assert all("is not shared by every rank" in last_line(r) for r in results)
+    assert snapshot(out) == before
+
+
+@needs_unshare
+@pytest.mark.parametrize("command", ["pretrain", "glue"])
+def test_an_input_that_one_node_lacks_is_named_on_every_rank(command: str, tmp_path: Path,
+                                                              minilm_path: Path) -> None:
+    """Before: the rank without the input exited 2 alone and rank 0 crashed in its next collective with gloo's
+    "Connection closed by peer" traceback, exit 1 ("please report it")."""
+    local = tmp_path / "local"
+    local.mkdir()
+    if command == "pretrain":
+        from bertrain.model.bert import BertConfig, BertForPreTraining
+
+        init = local / "init"
+        BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100)).save_pretrained(init)
+        cfg = base_config(tmp_path / "out")
+        cfg["model"] = {"init": str(init)}
+        argv, key, path = ["pretrain", "--config", str(write_config(tmp_path / "c.yaml", cfg))], "model.init", init
+    else:
+        data = local / "MRPC"
+        data.mkdir()
+        rows = ["Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+                *[f"{i % 2}\t{i}\t{i + 100}\tthe cat sat on mat {i}\ta cat was on the mat {i}" for i in range(16)]]
+        for split in ("train", "dev"):
+            (data / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+        argv = ["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(minilm_path),
+                "--output", str(tmp_path / "out"), "--train.epochs", "1", "--data.max_seq_length", "32"]
+        key, path = "data.data_dir", data
+    results = launch(argv, local)
+    for r in results:
+        assert r.returncode == 2, r.stdout[-3000:]
+        line = last_line(r)
+        assert f"config key '{key}': {path} exists for rank 0 on " in line and " but not for rank 1 on " in line, line
+        assert "every node must see it at the same path" in line and "Traceback" not in r.stdout, line
+
+
+def _hidden_listing_worker(rank: int, world_size: int, cfg_dict: dict) -> None:
+    """FSDP pretraining where rank 0's directory listings miss the other rank's shard files, as a shared
+    filesystem's client may list another node's new file late."""
+    from bertrain.config import from_dict
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+
+    if rank == 0:
+        rglob = Path.rglob
+        Path.rglob = lambda self, pattern: (p for p in rglob(self, pattern) if not p.name.startswith("__1_"))
+    run_pretraining(from_dict(PretrainConfig, cfg_dict))
+
+
+def test_a_sharded_checkpoints_manifest_names_every_shard_even_if_a_listing_misses_one(tmp_path: Path) -> None:
+    """Before: each rank hashed a share of its own listing, so rank 1's shard (and the files rank 0's share skipped)
+    were missing from manifest.json: a checkpoint marked complete whose checksums did not cover its shards."""
+    from bertrain.train.checkpoint import verify_checkpoint
+
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["parallelism"] = {"strategy": "fsdp"}
+    spawn(_hidden_listing_worker, 2, cfg)
+    for step in ("step-2", "step-4"):
+        folder = out / step
+        on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json",
+                                                                                              "COMPLETE"}
+        listed = set(json.loads((folder / "manifest.json").read_text())["files"])
+        assert "dcp/__1_0.distcp" in on_disk and listed == on_disk, sorted(on_disk ^ listed)
+        assert verify_checkpoint(folder) is None
