@@ -151,3 +151,21 @@ def test_a_sharded_checkpoints_manifest_names_every_shard_even_if_a_listing_miss
         listed = set(json.loads((folder / "manifest.json").read_text())["files"])
         assert "dcp/__1_0.distcp" in on_disk and listed == on_disk, sorted(on_disk ^ listed)
         assert verify_checkpoint(folder) is None
+
+
+@needs_unshare
+def test_a_pipeline_folder_that_another_node_does_not_see_is_refused_before_the_first_stage(tmp_path: Path) -> None:
+    """`bertrain run` under a launcher: before, rank 0 ran the vocab and prepare stages alone and the job failed at
+    the first training stage (with the message above, since that stage's folder is checked too)."""
+    from distributed import REPO
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / "pipeline"
+    argv = ["run", str(REPO / "configs" / "recipes" / "pydoc-small.yaml"), "--set", f"output_dir={out}",
+            "--set", "pretrain.train.micro_batch_size=8", "--set", "phase2.train.micro_batch_size=4",
+            "--set", "finetune[0].config.train.micro_batch_size=16"]
+    for r in launch(argv, shared, BERTRAIN_SHARED_OUTPUT_WAIT_S="1"):
+        assert r.returncode == 2, r.stdout[-3000:]
+        assert f"output folder {out} is not shared by every rank: rank 1 on " in last_line(r), r.stdout[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # no stage ran

@@ -67,7 +67,7 @@ from bertrain.train.config import DistributedConfig, resolve_batch
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.evaluation import maximises
 from bertrain.train.launch import launch_env
-from bertrain.train.resume import EXACT_KEYS
+from bertrain.train.resume import EXACT_KEYS, check_shared_output
 from bertrain.utils.errors import RunStopped, UserError
 from bertrain.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 from bertrain.utils.rundir import OutputLock, claim_run_folder, holds_run, move_aside, read_run
@@ -763,9 +763,11 @@ def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[
             if foreign and not overwrite:
                 raise UserError(f"run folder {run_dir} holds the outputs of another command: choose another "
                                 "output_dir, or --overwrite (the old folder is moved aside, not deleted)")
-            claim_run_folder(run_dir, "run", None if overwrite else "auto", overwrite)
+            return claim_run_folder(run_dir, "run", None if overwrite else "auto", overwrite)["run_id"]
 
-        on_rank0(f"use the run folder {run_dir}", claim)
+        # every stage's folder is inside: a node-local run folder is refused before the first stage, not after
+        # the one-process stages ran on rank 0 (the first engine stage's own check would find it then)
+        check_shared_output(run_dir, on_rank0(f"use the run folder {run_dir}", claim), dist)
         yield
 
 
