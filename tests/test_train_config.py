@@ -277,6 +277,15 @@ def test_layout_check_and_description() -> None:
         check_layout([gpus[0], dict(gpus[1], device="cuda:0")])
     with pytest.raises(ValueError, match="different launchers"):
         check_layout([dict(ranks[0]), dict(ranks[1], launcher="torchrun")])
+    # another environment on one node: every rank names the ranks and hosts of each version
+    soft = [dict(r, host=h, software="bertrain 0.1.0, torch 2.11.0") for r, h in zip(ranks * 2, ["n1"] * 2 + ["n2"] * 2)]
+    check_layout(soft)
+    soft[3]["software"] = soft[2]["software"] = "bertrain 0.1.0, torch 2.10.0"
+    with pytest.raises(ValueError) as err:
+        check_layout(soft)
+    assert str(err.value) == ("the ranks run different software: ranks 0-1 on n1: bertrain 0.1.0, torch 2.11.0; "
+                              "ranks 2-3 on n2: bertrain 0.1.0, torch 2.10.0: install the same versions on every "
+                              "node (the same environment or container image)")
 
 
 def test_slurm_nodelist_parsing(monkeypatch: pytest.MonkeyPatch) -> None:

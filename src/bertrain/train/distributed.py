@@ -11,6 +11,7 @@ import datetime
 import itertools
 import logging
 import os
+import platform
 import socket
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule
 
 from bertrain.train.config import DistributedConfig
-from bertrain.train.launch import check_layout, describe_layout, launch_env, restart_isolated_store
+from bertrain.train.launch import (check_layout, describe_layout, launch_env, name_ranks,
+                                   restart_isolated_store)
 from bertrain.utils.errors import RunStopped, UserError, is_user_os_error
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 
@@ -62,7 +64,7 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
         device = torch.device("cpu")
     backend = None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local, "device": str(device),
-          "launcher": layout.launcher if layout else None}
+          "launcher": layout.launcher if layout else None, "software": software_versions()}
     one_rank_group = layout is not None and cfg.backend != "auto"
     if (world > 1 or one_rank_group) and not torch_dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -94,6 +96,13 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     if device.type == "cpu":  # CPU steps re-allocate the same big buffers: keep them (see utils/memory.py)
         keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)
     return DistInfo(rank, world, local, device, rank == 0, backend)
+
+
+def software_versions() -> str:
+    """What every rank of a job must run alike (`launch.check_layout`)."""
+    import bertrain
+
+    return f"bertrain {bertrain.__version__}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 _quieted: list[tuple[logging.Logger, int]] = []
@@ -250,21 +259,9 @@ def on_rank0(what: str, fn: Callable[[], T], long: bool = False) -> T:
 
 
 def describe_ranks(ranks: list[int]) -> str:
-    """"ranks 0-3 on host-a, rank 4 on host-b": `ranks` grouped by the host each runs on (from the identities
-    gathered at start-up; without them, by rank only)."""
-    hosts = [i.get("host", "?") for i in rank_identities()]
-    groups: list[tuple[str, list[int]]] = []
-    for r in sorted(ranks):
-        host = hosts[r] if r < len(hosts) else None
-        if groups and groups[-1][0] == host and groups[-1][1][-1] == r - 1:
-            groups[-1][1].append(r)
-        else:
-            groups.append((host, [r]))
-    parts = []
-    for host, rs in groups:
-        name = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs[0]}-{rs[-1]}"
-        parts.append(name if host is None else f"{name} on {host}")
-    return ", ".join(parts)
+    """"ranks 0-3 on host-a, rank 4 on host-b": `ranks` by the host each runs on (`launch.name_ranks` on the
+    identities gathered at start-up)."""
+    return name_ranks(ranks, rank_identities())
 
 
 def same_paths_on_every_rank(paths: dict[str, Any]) -> None:

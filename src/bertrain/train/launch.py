@@ -183,15 +183,41 @@ def restart_isolated_store(env: Mapping[str, str], timeout: datetime.timedelta) 
     return torch_dist.PrefixStore(f"bertrain/{env.get('TORCHELASTIC_RUN_ID', 'run')}/attempt-{attempt}/", client)
 
 
+def name_ranks(ranks: list[int], identities: list[dict[str, Any]]) -> str:
+    """"ranks 0-3 on host-a, rank 4 on host-b": `ranks` in runs of consecutive ranks on one host (`identities`: every
+    rank's, in rank order; hosts left out where unknown)."""
+    groups: list[tuple[Any, list[int]]] = []
+    for r in sorted(ranks):
+        host = identities[r].get("host") if r < len(identities) else None
+        if groups and groups[-1][0] == host and groups[-1][1][-1] == r - 1:
+            groups[-1][1].append(r)
+        else:
+            groups.append((host, [r]))
+    parts = []
+    for host, rs in groups:
+        name = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs[0]}-{rs[-1]}"
+        parts.append(name if host is None else f"{name} on {host}")
+    return ", ".join(parts)
+
+
 def check_layout(ranks: list[dict[str, Any]]) -> None:
-    """Every rank's identity (gathered, in rank order) must describe one job: the same launcher everywhere, and no
-    two ranks of a host on one GPU (their local ranks collide: NCCL would fail later, or both would run slowly). CPU
-    ranks may share a host's local rank: two torchrun agents on one machine are a legitimate test of two nodes.
-    The check runs on every rank with the same input, so every rank raises the same error."""
+    """Every rank's identity (gathered, in rank order) must describe one job: the same launcher everywhere, the same
+    software (bertrain, torch and Python versions: nodes with another environment or container image fail later in
+    obscure ways, or compute other numbers), and no two ranks of a host on one GPU (their local ranks collide: NCCL
+    would fail later, or both would run slowly). CPU ranks may share a host's local rank: two torchrun agents on
+    one machine are a legitimate test of two nodes. The check runs on every rank with the same input, so every rank
+    raises the same error."""
     launchers = sorted({r["launcher"] for r in ranks})
     if len(launchers) > 1:
         raise ValueError(f"ranks were started by different launchers ({', '.join(launchers)}): a leftover "
                          "RANK/WORLD_SIZE, SLURM_* or OMPI_* variable in some environments; unset it")
+    by_software: dict[str, list[int]] = {}
+    for rank, r in enumerate(ranks):
+        by_software.setdefault(r.get("software", ""), []).append(rank)
+    if len(by_software) > 1:
+        raise ValueError("the ranks run different software: " + "; ".join(
+            f"{name_ranks(rs, ranks)}: {software or 'unknown'}" for software, rs in by_software.items())
+            + ": install the same versions on every node (the same environment or container image)")
     seen: dict[tuple[str, str], int] = {}
     for rank, r in enumerate(ranks):
         if not r["device"].startswith("cuda"):
