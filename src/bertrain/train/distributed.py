@@ -75,12 +75,17 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
         log.debug("rank %d/%d (local %d, %s): joining %s group at %s:%s", rank, world, local, layout.launcher,
                   backend, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        store = restart_isolated_store(os.environ, timeout)
-        if store is not None:
-            torch_dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        else:
-            torch_dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
-                                          timeout=timeout)
+        try:
+            store = restart_isolated_store(os.environ, timeout)
+            if store is not None:
+                torch_dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                                              timeout=timeout)
+            else:
+                torch_dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                              timeout=timeout)
+        except torch_dist.DistError as e:  # DistNetworkError, DistStoreError: the job never came together
+            raise UserError(rendezvous_failure(rank, world, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
+                                               cfg.timeout_s, e)) from None
         # who is who, so that an error about rank r can name its pid and host even if r never said anything else
         _identities[:] = gather_objects(me)
         torch_dist._bertrain_joined = True  # python -m bertrain skips the interpreter's teardown (__main__.py)
@@ -116,6 +121,23 @@ def _quiet_other_ranks() -> None:
     if not root.isEnabledFor(logging.DEBUG):
         _quieted.append((root, root.level))
         root.setLevel(logging.WARNING)
+
+
+def rendezvous_failure(rank: int, world: int, addr: str, port: str, timeout_s: float, error: BaseException) -> str:
+    """What to check when the ranks could not meet (a wrong MASTER_ADDR, a closed port, a rank never started, a
+    port in use): one line instead of torch's store traceback, exit 2 (the environment, not a bug)."""
+    said = " ".join(str(error).split())
+    if rank == 0 and ("EADDRINUSE" in said or "failed to listen" in said):
+        return (f"rank 0 could not listen on port {port} (MASTER_PORT) of this host: it is in use, maybe by another "
+                f"job; choose a free port (torch: {said})")
+    if rank == 0:
+        return (f"rank 0 waited {timeout_s:g} s (distributed.timeout_s) at {addr}:{port} for the job's other ranks, "
+                f"and not all came: start every rank with the same world size ({world}), and "
+                "make MASTER_ADDR rank 0's host as the other nodes reach it, its port open to them (torch: "
+                f"{said})")
+    return (f"rank {rank} could not join the job at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout_s:g} s "
+            "(distributed.timeout_s): check that rank 0 is running, that MASTER_ADDR is rank 0's host as this node "
+            f"reaches it (not localhost across machines), and that its port is open (torch: {said})")
 
 
 _identities: list[dict[str, Any]] = []
