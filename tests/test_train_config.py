@@ -275,6 +275,11 @@ def test_layout_check_and_description() -> None:
     check_layout(gpus)
     with pytest.raises(ValueError, match="ranks 0 and 1 both use cuda:0 on host n1"):
         check_layout([gpus[0], dict(gpus[1], device="cuda:0")])
+    # Slurm's --gpus-per-task: each task sees its own GPU as cuda:0; the physical GPU decides (before: refused)
+    per_task = [dict(r, device="cuda:0", gpu=f"GPU-{r['local_rank']}") for r in ranks]
+    check_layout(per_task)
+    with pytest.raises(ValueError, match=r"ranks 0 and 1 both use cuda:0 \(GPU GPU-0\) on host n1"):
+        check_layout([per_task[0], dict(per_task[1], gpu="GPU-0")])
     with pytest.raises(ValueError, match="different launchers"):
         check_layout([dict(ranks[0]), dict(ranks[1], launcher="torchrun")])
     # another environment on one node: every rank names the ranks and hosts of each version
@@ -286,6 +291,23 @@ def test_layout_check_and_description() -> None:
     assert str(err.value) == ("the ranks run different software: ranks 0-1 on n1: bertrain 0.1.0, torch 2.11.0; "
                               "ranks 2-3 on n2: bertrain 0.1.0, torch 2.10.0: install the same versions on every "
                               "node (the same environment or container image)")
+
+
+def test_the_gpu_identity_is_the_physical_gpu_whatever_the_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bertrain.train.distributed import gpu_identity
+
+    class Props:
+        uuid = "GPU-8c7a"
+
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: Props())
+    assert gpu_identity(0) == "GPU-8c7a"
+
+    def no_uuid(index: int) -> None:
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr("torch.cuda.get_device_properties", no_uuid)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")  # Slurm's --gpus-per-task on the task with GPUs 3 and 5
+    assert (gpu_identity(0), gpu_identity(1), gpu_identity(2)) == ("3", "5", "2")
 
 
 def test_slurm_nodelist_parsing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,7 +64,8 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
         device = torch.device("cpu")
     backend = None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local, "device": str(device),
-          "launcher": layout.launcher if layout else None, "software": software_versions()}
+          "launcher": layout.launcher if layout else None, "software": software_versions(),
+          "gpu": gpu_identity(device.index) if device.type == "cuda" else None}
     one_rank_group = layout is not None and cfg.backend != "auto"
     if (world > 1 or one_rank_group) and not torch_dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -101,6 +102,19 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     if device.type == "cpu":  # CPU steps re-allocate the same big buffers: keep them (see utils/memory.py)
         keep_freed_memory(TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD)
     return DistInfo(rank, world, local, device, rank == 0, backend)
+
+
+def gpu_identity(index: int) -> str:
+    """The physical GPU behind cuda:`index`: its UUID, else its entry of CUDA_VISIBLE_DEVICES. Not the index: Slurm's
+    --gpus-per-task (and --gpu-bind) give each task its own GPU, seen by every task as cuda:0."""
+    try:
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    except (RuntimeError, AssertionError):
+        uuid = None
+    if uuid:
+        return str(uuid)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def software_versions() -> str:

@@ -222,9 +222,12 @@ def check_layout(ranks: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(ranks):
         if not r["device"].startswith("cuda"):
             continue
-        key = (r["host"], r["device"])
+        # the physical GPU (`gpu`: its UUID), not the index: with Slurm's --gpus-per-task every task's GPU is cuda:0
+        gpu = r.get("gpu") or r["device"]
+        key = (r["host"], gpu)
         if key in seen:
-            raise ValueError(f"ranks {seen[key]} and {rank} both use {key[1]} on host {key[0]} (local ranks "
+            same = r["device"] if gpu == r["device"] else f"{r['device']} (GPU {gpu})"
+            raise ValueError(f"ranks {seen[key]} and {rank} both use {same} on host {key[0]} (local ranks "
                              f"{ranks[seen[key]]['local_rank']} and {r['local_rank']}): the launcher's local-rank "
                              "variable (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK) is inconsistent, "
                              "or more ranks were started on the host than it has GPUs")
