@@ -169,3 +169,34 @@ def test_a_pipeline_folder_that_another_node_does_not_see_is_refused_before_the_
         assert r.returncode == 2, r.stdout[-3000:]
         assert f"output folder {out} is not shared by every rank: rank 1 on " in last_line(r), r.stdout[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # no stage ran
+
+
+def _slow_storage_worker(rank: int, world_size: int, cfg_dict: dict, delay_s: float) -> None:
+    """Rank 0's checkpoint writes take `delay_s` longer, as on a slow or busy shared filesystem."""
+    import time
+
+    from bertrain.config import from_dict
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    from bertrain.train import checkpoint
+
+    if rank == 0:
+        save = checkpoint.save_checkpoint
+
+        def slow_save(*args, **kwargs):
+            time.sleep(delay_s)
+            return save(*args, **kwargs)
+
+        checkpoint.save_checkpoint = slow_save
+    run_pretraining(from_dict(PretrainConfig, cfg_dict))
+
+
+def test_a_checkpoint_write_slower_than_the_collective_timeout_does_not_fail_the_job(tmp_path: Path) -> None:
+    """Before: the other ranks waited for rank 0's write in a collective, which failed after distributed.timeout_s:
+    a BERT-large checkpoint (4 GB, checksummed) on a slow filesystem ended the job. They now wait in the rendezvous
+    store, while the heartbeat watches rank 0 (a frozen one still fails the job: test_train_watchdog)."""
+    out = tmp_path / "run"
+    cfg = base_config(out)
+    cfg["distributed"] = {"timeout_s": 3, "heartbeat_interval_s": 1, "heartbeat_timeout_s": 2}
+    cfg["checkpoint"]["save_interval"] = 4  # one checkpoint, at the last step
+    spawn(_slow_storage_worker, 2, cfg, 4.0)
+    assert (out / "step-4" / "COMPLETE").is_file()

@@ -602,9 +602,43 @@ def test_a_frozen_rank_0_holding_the_store_is_named_by_the_others(tmp_path: Path
         assert f"rank 0 (pid {r0.pid} on {HOST})" in line and t_named - t_stop < 3 + 4
         rc, _ = r1.wait(timeout=120)
         assert rc == EXIT_FAILED, r1.output[-3000:]
-        _, line = r1.wait_for(r"a collective timed out after distributed.timeout_s = 8 s", timeout=1)
+        # in a collective (a step), or in the store while rank 0 finished writing the checkpoint just seen complete
+        _, line = r1.wait_for(r"a collective timed out after distributed.timeout_s = 8 s|waited \d+ s in the "
+                              r"rendezvous store for rank 0 to write checkpoint step-\d+, .* longer than "
+                              r"distributed.timeout_s = 8 s", timeout=1)
         assert f"rank 0 (pid {r0.pid} on {HOST}) has not answered for" in line
         assert f"the last complete checkpoint is {last_complete_checkpoint(out)}" in line
+
+
+FREEZE_IN_SECOND_SAVE = ("import os, signal, sys\n"
+                         "from bertrain.train import checkpoint\n"
+                         "save, saves = checkpoint.save_checkpoint, []\n"
+                         "def frozen(*args, **kwargs):\n"
+                         "    saves.append(1)\n"
+                         "    if len(saves) == 2:\n"
+                         "        print('freezing in the second checkpoint write', flush=True)\n"
+                         "        os.kill(os.getpid(), signal.SIGSTOP)\n"
+                         "    return save(*args, **kwargs)\n"
+                         "checkpoint.save_checkpoint = frozen\n"
+                         "from bertrain.cli import main\n"
+                         "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.slow
+def test_a_rank_0_frozen_while_the_others_wait_for_its_checkpoint_fails_the_job(tmp_path: Path) -> None:
+    """The others wait for rank 0's checkpoint write in the rendezvous store (no time limit: a big checkpoint on a
+    slow filesystem must not fail the job), but the store lives in rank 0: a frozen rank 0 would block them for
+    good. The watchdog ends such a wait once the heartbeat has been silent for distributed.timeout_s."""
+    out = tmp_path / "out"
+    with launch(tmp_path, 2, run_config(out, timeout_s=8), wrap={0: FREEZE_IN_SECOND_SAVE}) as procs:
+        r0, r1 = procs
+        t_frozen, _ = r0.wait_for("freezing in the second checkpoint write", timeout=120)
+        rc, t_exit = r1.wait(timeout=60)
+        assert rc == EXIT_FAILED, r1.output[-3000:]
+        assert t_exit - t_frozen < 8 + 8, t_exit - t_frozen  # the timeout, then a few heartbeat intervals
+        _, line = r1.wait_for(r"waited \d+ s in the rendezvous store for rank 0 to write checkpoint step-10", timeout=1)
+        assert f"rank 0 (pid {r0.pid} on {HOST}) has not answered for" in line, line
+        assert "longer than distributed.timeout_s = 8 s" in line and "step-5: continue with --resume auto" in line
 
 
 @pytest.mark.slow

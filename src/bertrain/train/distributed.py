@@ -354,18 +354,40 @@ def barrier(waiting_for: str | None = None, poll_s: float = 1.0) -> None:
         return
     store = torch_dist.distributed_c10d._get_default_store()
     key, world = f"bertrain/wait/{next(_long_waits)}", torch_dist.get_world_size()
-    arrived = store.add(key, 1)
     start = last_log = time.monotonic()
-    while arrived < world:
-        time.sleep(poll_s)
-        arrived = store.add(key, 0)
-        if time.monotonic() - last_log >= LONG_WAIT_LOG_S:
-            last_log = time.monotonic()
-            log.info("rank %d: still waiting for %s (%.0f min, %d of %d ranks ready)", torch_dist.get_rank(),
-                     waiting_for, (last_log - start) / 60, arrived, world)
+    _store_wait[:] = [(start, waiting_for)]
+    try:
+        arrived = store.add(key, 1)
+        pause = min(0.005, poll_s)  # doubling up to poll_s: a short wait (a small checkpoint) costs milliseconds
+        while arrived < world:
+            time.sleep(pause)
+            pause = min(2 * pause, poll_s)
+            arrived = store.add(key, 0)
+            if time.monotonic() - last_log >= LONG_WAIT_LOG_S:
+                last_log = time.monotonic()
+                log.info("rank %d: still waiting for %s (%.0f min, %d of %d ranks ready)", torch_dist.get_rank(),
+                         waiting_for, (last_log - start) / 60, arrived, world)
+    except torch_dist.DistError as e:
+        # The store is gone (under torchrun its agent hosts it: a killed launcher), but the ranks still reach each
+        # other: they meet in the collective below instead, with its time limit (how a stop-save completes after
+        # the launcher was lost). Every path ends in that one barrier, so the ranks stay matched.
+        log.warning("rank %d: the rendezvous store is gone (%s); waiting for %s in a collective instead",
+                    torch_dist.get_rank(), " ".join(str(e).split())[:200], waiting_for)
+    finally:
+        _store_wait.clear()
     # Every rank has arrived, but a rank that saw it first could go on and tear the store down (rank 0 hosts it)
     # while another is still between two polls: one collective barrier, immediate now, closes that window.
     torch_dist.barrier()
+
+
+_store_wait: list[tuple[float, str]] = []
+
+
+def store_wait() -> tuple[float, str] | None:
+    """(since when, what for) while this rank waits in `barrier(waiting_for=...)`, else None. A store wait has no
+    time limit of its own, and a frozen rank 0 (which holds the store) blocks it for good: the watchdog ends it
+    when the heartbeat says a rank has been silent for longer than a collective would wait."""
+    return _store_wait[0] if _store_wait else None
 
 
 def heartbeat_store(timeout_s: float) -> Any | None:

@@ -142,6 +142,12 @@ class HeartbeatMonitor:
                 f"or hung? The job fails at the collective timeout (distributed.timeout_s = "
                 f"{self.collective_timeout_s:g} s) unless it comes back")
 
+    def silent(self, now: float, at_least_s: float) -> list[str]:
+        """Running ranks silent for `at_least_s` or more, described for an error line."""
+        with self._lock:
+            return [f"{p.name()} has not answered for {now - p.seen_at:.0f} s" for p in self.peers.values()
+                    if p.status == "running" and now - p.seen_at >= at_least_s]
+
     def culprits(self, now: float) -> list[str]:
         """Ranks known to have failed or to be silent for `timeout_s`, described for an error line."""
         with self._lock:
@@ -294,6 +300,10 @@ class Heartbeat:
         """Log the ranks that went silent (each once), by what this rank has seen up to `now`."""
         for level, line in self.monitor.check(self._horizon(now)):
             log.log(level, "%s", line)
+
+    def silent(self, now: float, at_least_s: float) -> list[str]:
+        """The watched ranks silent for `at_least_s` or more, by what this rank has seen up to `now`."""
+        return self.monitor.silent(self._horizon(now), at_least_s)
 
     def culprits(self, probe: bool) -> list[str]:
         """The ranks known to have failed or gone silent; with `probe`, when none is known, read every rank's

@@ -402,7 +402,10 @@ class _Run:
                 ckpt.save_checkpoint(self.out, step, model, {**train_state, "optimizer": optimizer.state_dict()},
                                      self.cfg, self.cfg.checkpoint.keep_last)
 
-        on_rank0(f"write checkpoint step-{step}", write)
+        # long: the others wait in the store, not in a collective that fails after distributed.timeout_s (a 4 GB
+        # checkpoint, checksummed, on a slow filesystem); the heartbeat still watches rank 0 meanwhile, and the
+        # watchdog ends the wait if rank 0 stops answering for longer than that
+        on_rank0(f"write checkpoint step-{step}", write, long=True)
 
 
 # ----------------------------------------------------------------------------------------------- step pieces

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from bertrain.train.checkpoint import COMPLETE, list_checkpoints
 from bertrain.train.config import DistributedConfig
-from bertrain.train.distributed import DistInfo
+from bertrain.train.distributed import DistInfo, store_wait
 from bertrain.train.heartbeat import Heartbeat
 from bertrain.utils.errors import EXIT_FAILED, EXIT_STOPPED
 
@@ -347,6 +347,7 @@ class Watchdog:
                 self._check_grace(now)
                 if self.heartbeat is not None:
                     self.heartbeat.check(now)
+                    self._check_store_wait(now)
                     if self.heartbeat.monitor.launcher_gone and not self.stop.requested:
                         # the ranks still run and their collectives work: they stop together at a step boundary
                         self.stop.request_for(f"rank {self.dist.rank}: the launcher is gone")
@@ -355,6 +356,22 @@ class Watchdog:
                 if self._rfd < 0 and self.heartbeat is None:
                     return
                 time.sleep(1.0)
+
+    def _check_store_wait(self, now: float) -> None:
+        """End a wait in the rendezvous store (rank 0 writing a checkpoint or the best model while the others wait)
+        whose rank has been silent for longer than `distributed.timeout_s`: a collective would have failed by then,
+        but a store held by a frozen rank 0 never answers, and the job would hang for good."""
+        waiting = store_wait()
+        if waiting is None or now - waiting[0] < self.cfg.timeout_s:
+            return
+        silent = self.heartbeat.silent(now, self.cfg.timeout_s) if self.heartbeat is not None else []
+        if not silent:
+            return
+        hint, _ = resume_hint(self.output_dir)
+        self._die(EXIT_FAILED, f"rank {self.dist.rank}: waited {now - waiting[0]:.0f} s in the rendezvous store for "
+                               f"{waiting[1]}, and {'; '.join(silent)}: longer than distributed.timeout_s = "
+                               f"{self.cfg.timeout_s:g} s, so the job fails as a collective would (exit code "
+                               f"{EXIT_FAILED}); {hint} once it is fixed")
 
     def _wait_s(self) -> float:
         if self._stop_at is not None and not self._grace_over:
