@@ -43,3 +43,9 @@ def umask(request):
     old = os.umask(request.param)
     yield request.param
     os.umask(old)
+
+
+# The deploy models (MiniLM with seeded heads, and their ONNX exports) for test_deploy_onnx.py and
+# test_deploy_serve.py. Registered here, once: a session fixture assigned in each test module is a separate fixture
+# per module, and was built twice per session.
+from deploy_fixtures import deploy_models  # noqa: E402,F401

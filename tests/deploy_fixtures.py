@@ -1,7 +1,8 @@
 """Models shared by tests/test_deploy_onnx.py and tests/test_deploy_serve.py, built once per session: the real
 all-MiniLM-L6-v2 encoder with a classification head and a QA head (initialised with a fixed seed and saved, so they
 load as trained), and their ONNX exports (written by `bertrain export --format onnx`, the QA one as a Triton model
-repository). Import the fixture into a test module to use it."""
+repository). conftest.py registers the fixture, so it is built once per session (assigned in each test
+module instead, it would be one fixture per module, built once per module)."""
 from __future__ import annotations
 
 import contextlib

@@ -18,12 +18,11 @@ import torch
 
 from bertrain.cli import main
 from conftest import ASSETS, shared_file
-import deploy_fixtures
 
 pytest.importorskip("onnxruntime", reason="needs the deploy extra: pip install 'bertrain[deploy]'")
 
 FULL = os.environ.get("BERTRAIN_FULL_PARITY") == "1"
-deploy_models = deploy_fixtures.deploy_models  # the session fixture: MiniLM + seeded heads, and their ONNX exports
+# deploy_models (conftest.py): the session fixture, MiniLM + seeded heads and their ONNX exports
 
 
 def _max_diff(text: str) -> float:

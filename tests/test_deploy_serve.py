@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-import deploy_fixtures
 from bertrain.cli import main
 from bertrain.deploy.loadtest import metric
 from conftest import shared_file
@@ -28,7 +27,7 @@ pytest.importorskip("fastapi", reason="needs the deploy extra: pip install 'bert
 pytest.importorskip("httpx", reason="needs the deploy extra: pip install 'bertrain[deploy]'")
 pytest.importorskip("prometheus_client", reason="needs the deploy extra: pip install 'bertrain[deploy]'")
 
-deploy_models = deploy_fixtures.deploy_models  # the session fixture: MiniLM + seeded heads, and their ONNX exports
+# deploy_models (conftest.py): the session fixture, MiniLM + seeded heads and their ONNX exports
 
 
 # ----------------------------------------------------------------------------------------------- micro-batching

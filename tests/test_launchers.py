@@ -120,6 +120,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tools: None) -> dict[str, Pa
         "optim": {"name": "lamb", "lr": 2e-3},
         "schedule": {"name": "poly", "warmup": 0.1},
         "checkpoint": {"save_interval": 10, "keep_last": 0},
+        # a collective that fails when a peer is killed probes the heartbeats 1.5 intervals apart before it names
+        # the silent rank (the kill -9 tests): 1.5 s instead of 7.5 s; nothing else depends on it
+        "distributed": {"heartbeat_interval_s": 1},
         "seed": 7, "output_dir": str(root / "unused"),
     }))
     out = root / "reference"
@@ -223,14 +226,31 @@ def test_sbatch_example_job_equals_torchrun(setup: dict[str, Path], slurm: dict[
     (one 2-CPU node, no GPUs), and CONFIG/OUTPUT point at this test's run."""
     assert "sbatch examples/slurm/pretrain.sbatch" in readme_launch_lines()
     out, log = setup["root"] / "sbatch", setup["root"] / "sbatch.out"
-    argv = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
+    argv = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
             "--time=10", f"--output={log}", f"--export=ALL,CONFIG={setup['config']},OUTPUT={out}",
             str(REPO / "examples" / "slurm" / "pretrain.sbatch")]
     r = subprocess.run(argv, env=env(**slurm), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    state, exit_code = wait_for_job(r.stdout.strip().split(";")[0], slurm)
     text = log.read_text() if log.exists() else ""
-    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{text[-3000:]}"
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"job {state}, exit code {exit_code}:\n{text[-3000:]}"
     assert text.count("launched by slurm: world size 2") == 1, text
     assert_bitwise(setup["reference"], out)
+
+
+def wait_for_job(job: str, slurm: dict[str, str], timeout: float = TIMEOUT) -> tuple[str, str]:
+    """The final JobState and ExitCode of a batch job, from `scontrol show job` polled until the job has ended.
+    (`sbatch --wait` polls 2 s, then 8 s, then 32 s later: a job of ~10 s cost 10 or 42 s of waiting.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = subprocess.run(["scontrol", "show", "job", "-o", job], env=env(**slurm), capture_output=True, text=True,
+                           timeout=60)
+        fields = dict(f.split("=", 1) for f in r.stdout.split() if "=" in f)
+        assert r.returncode == 0 and "JobState" in fields, f"scontrol show job {job}: {r.stdout}{r.stderr}"
+        if fields["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"):
+            return fields["JobState"], fields["ExitCode"]
+        assert time.monotonic() < deadline, f"job {job} still {fields['JobState']} after {timeout} s"
+        time.sleep(0.1)
 
 
 def test_slurm_batch_script_without_srun_is_refused(setup: dict[str, Path]) -> None:
@@ -345,7 +365,13 @@ def test_elastic_shrink_two_agents_to_one_keeps_the_global_batch(setup: dict[str
     complete checkpoint. Samples and dropout masks follow the global batch, not the ranks, and 2 partial gradients
     sum the same way either way: bitwise equal to the straight 2-rank run."""
     out = setup["root"] / "shrink"
-    words = readme_line(*LINES["torchrun c10d"])
+    # torch's defaults would spend ~45 s after the kill: the dead agent leaves the rendezvous only once its
+    # keep-alive is keep_alive_interval x keep_alive_max_attempt = 5 x 3 s old, then the lone agent waits
+    # last_call_timeout = 30 s for more nodes. Here 1 x 5 s and 10 s. The last call also bounds how long the first
+    # agent waits for the second at the start: the second joins ~1.3 s after the first (measured; ~3 s at twice the
+    # load). Had the first trained alone, the checkpoint it resumes from would be a 1-rank one: asserted below.
+    words = readme_line(*LINES["torchrun c10d"]) + [
+        "--rdzv-conf", "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"]
     first, second = agents(words, free_port(), setup["config"], out)
     wait_for(out / "step-30" / "COMPLETE", [first, second])
     for pid in [second.pid, *children(second.pid)]:
@@ -354,6 +380,7 @@ def test_elastic_shrink_two_agents_to_one_keeps_the_global_batch(setup: dict[str
     (log,) = finish([first])
     assert "micro 8 x accumulation 2 x 1 ranks" in log, log[-3000:]
     assert re.search(r"resumed from \S+/step-\d+ at step \d+", log), log[-3000:]
+    assert "resuming on 1 ranks from a 2-rank checkpoint" in log, log[-3000:]  # both agents were in the first round
     assert_bitwise(setup["reference"], out)
 
 

@@ -211,7 +211,11 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     if not (SHARED_DATA / ttq.WIKI).is_file():
         pytest.skip(f"real data {SHARED_DATA / ttq.WIKI} not present (CI has ../shared/data beside the repo)")
     out = tmp_path / "ttq"
-    argv = ["pretrain", "--out", str(out), "--budget", "8s", "--seeds", "1", "2", "--layers", "1", "--hidden", "32",
+    # The budget only bounds the runs: each side takes at least one step and saves its last one however short it
+    # is (bertrain's budget counts from its first step; HF's callback stops at the first step end past it, counted
+    # from launch, so HF's ~5 s start-up leaves it one step). In 2 s bertrain takes tens of steps even at a
+    # fraction of its speed: several checkpoints. Every checkpoint is scored twice below, so fewer is faster.
+    argv = ["pretrain", "--out", str(out), "--budget", "2s", "--seeds", "1", "2", "--layers", "1", "--hidden", "32",
             "--heads", "2", "--intermediate", "64", "--vocab-size", "1000", "--seq", "64", "--batch", "8",
             "--save-every", "5", "--warmup", "2", "--eval-samples", "64"]
     assert ttq.main(argv) == 0

@@ -94,15 +94,23 @@ def start_and_signal(config: Path, out: Path, sig: int, after_step: int) -> subp
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path: Path) -> None:
     steps = 40  # 10 steps per epoch (320 samples / 32): the kill lands mid-epoch, the run crosses epochs
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    r = run_cli(write_config(tmp_path / "a.json", straight, steps, save_interval=4))
-    assert r.returncode == 0, r.stderr[-3000:]
-
-    cfg = write_config(tmp_path / "b.json", killed, steps, save_interval=4)
-    proc = start_and_signal(cfg, killed, signal.SIGKILL, after_step=8)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    done = [s for s, p in ckpt.list_checkpoints(killed) if (p / "COMPLETE").exists()]
-    assert 8 <= max(done) < steps, done
+    # the straight run and the run to kill go side by side (one thread each: the same numbers as alone)
+    straight_proc = subprocess.Popen([sys.executable, "-m", "bertrain", "pretrain", "--config",
+                                      str(write_config(tmp_path / "a.json", straight, steps, save_interval=4))],
+                                     env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = write_config(tmp_path / "b.json", killed, steps, save_interval=4)
+        proc = start_and_signal(cfg, killed, signal.SIGKILL, after_step=8)
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        done = [s for s, p in ckpt.list_checkpoints(killed) if (p / "COMPLETE").exists()]
+        assert 8 <= max(done) < steps, done
+        _, err = straight_proc.communicate(timeout=600)
+        assert straight_proc.returncode == 0, err[-3000:]
+    finally:
+        if straight_proc.poll() is None:
+            straight_proc.kill()
+            straight_proc.wait()
 
     r = run_cli(cfg, "--resume", "auto")
     assert r.returncode == 0, r.stderr[-3000:]
