@@ -32,15 +32,17 @@ needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="simulating a node
                                    "`unshare -m` with tmpfs mounts (util-linux)")
 
 
-def launch(argv: list[str], hidden: Path | None, world: int = 2, **env: str) -> list[subprocess.CompletedProcess]:
+def launch(argv: list[str], hidden: Path | None, world: int = 2, copy: Path | None = None,
+           **env: str) -> list[subprocess.CompletedProcess]:
     """`python -m bertrain ARGV` on `world` ranks; ranks 1.. run as on another node whose `hidden` folder is an empty
-    local disk (None: as on this node)."""
+    local disk (None: as on this node), or a local disk holding a copy of the folder `copy`."""
     port = free_port()
     procs = []
     for rank in range(world):
         cmd = [sys.executable, "-m", "bertrain", *argv]
         if rank > 0 and hidden is not None:
-            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{hidden}" && exec "$@"', "sh", *cmd]
+            fill = f' && cp -r "{copy}/." "{hidden}/"' if copy is not None else ""
+            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{hidden}"{fill} && exec "$@"', "sh", *cmd]
         procs.append(subprocess.Popen(cmd, env=cli_env({**rank_env(rank, world, port), **env}),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return wait_all(procs, TIMEOUT)
@@ -90,11 +92,13 @@ def test_an_output_folder_that_another_node_does_not_see_is_refused_on_every_ran
 
 
 @needs_unshare
+@pytest.mark.parametrize("stale", [False, True], ids=["missing", "stale"])
 @pytest.mark.parametrize("command", ["pretrain", "glue"])
-def test_an_input_that_one_node_lacks_is_named_on_every_rank(command: str, tmp_path: Path,
+def test_an_input_that_one_node_lacks_is_named_on_every_rank(command: str, stale: bool, tmp_path: Path,
                                                               minilm_path: Path) -> None:
     """Before: the rank without the input exited 2 alone and rank 0 crashed in its next collective with gloo's
-    "Connection closed by peer" traceback, exit 1 ("please report it")."""
+    "Connection closed by peer" traceback, exit 1 ("please report it"); a node with another copy at the same path
+    (a stale one on its local disk) trained on it without a word."""
     local = tmp_path / "local"
     local.mkdir()
     if command == "pretrain":
@@ -115,12 +119,23 @@ def test_an_input_that_one_node_lacks_is_named_on_every_rank(command: str, tmp_p
         argv = ["finetune", "glue", "--task", "mrpc", "--data-dir", str(data), "--init", str(minilm_path),
                 "--output", str(tmp_path / "out"), "--train.epochs", "1", "--data.max_seq_length", "32"]
         key, path = "data.data_dir", data
-    results = launch(argv, local)
+    copy = None
+    if stale:  # the other node's copy: the same folder with one file changed
+        copy = tmp_path / "other-node"
+        shutil.copytree(local, copy)
+        changed = copy / path.name / ("config.json" if command == "pretrain" else "dev.tsv")
+        changed.write_text(changed.read_text().replace("\n", "\n ", 1))
+    results = launch(argv, local, copy=copy)
     for r in results:
         assert r.returncode == 2, r.stdout[-3000:]
         line = last_line(r)
-        assert f"config key '{key}': {path} exists for rank 0 on " in line and " but not for rank 1 on " in line, line
-        assert "every node must see it at the same path" in line and "Traceback" not in r.stdout, line
+        assert "Traceback" not in r.stdout, r.stdout[-3000:]
+        if stale:
+            assert (f"config key '{key}': {path} is not the same on every node: rank 0 on " in line
+                    and f"have different copies ({changed.name} differs): give every node the same copy" in line), line
+        else:
+            assert (f"config key '{key}': {path} exists for rank 0 on " in line and " but not for rank 1 on " in line
+                    and "every node must see it at the same path" in line), line
 
 
 def _hidden_listing_worker(rank: int, world_size: int, cfg_dict: dict) -> None:

@@ -302,23 +302,70 @@ def describe_ranks(ranks: list[int]) -> str:
 
 def same_paths_on_every_rank(paths: dict[str, Any]) -> None:
     """Refuse a job whose ranks do not see the same inputs. Each rank checks which of `paths` (config key -> path;
-    empty entries skipped) exist where it runs; if some ranks see a path that others do not (a copy missing on one
-    node, a node-local disk), every rank raises the same one-line `UserError` naming the key, the path and the
-    ranks and hosts on each side: before, the rank without it failed alone and the others crashed in their next
-    collective with the transport's "connection closed" traceback. A path missing on every rank is left to the
-    usual checks, whose messages say more. Collective: every rank calls it with the same keys."""
+    empty entries skipped) exist where it runs, and what they hold (`path_contents`); if some ranks see a path that
+    others do not (a copy missing on one node, a node-local disk), or a different copy of it (a stale copy on one
+    node's local disk), every rank raises the same one-line `UserError` naming the key, the path and the ranks and
+    hosts on each side: before, the rank without it failed alone and the others crashed in their next collective
+    with the transport's "connection closed" traceback, and a stale copy trained on other data without a word. A
+    path missing on every rank is left to the usual checks, whose messages say more. Collective: every rank calls
+    it with the same keys."""
     if not is_distributed():
         return
     items = {key: os.fspath(path) for key, path in paths.items() if path}
-    seen = gather_objects({key: (path, os.path.exists(path)) for key, path in items.items()})
+    seen = gather_objects({key: (path, path_contents(path)) for key, path in items.items()})
     for key in dict.fromkeys(k for s in seen for k in s):  # every rank's keys, in order
-        have = [r for r, s in enumerate(seen) if s.get(key, ("", False))[1]]
-        if 0 < len(have) < len(seen):
-            path = seen[have[0]][key][0]
+        views = [s.get(key, ("", None))[1] for s in seen]
+        have = [r for r, v in enumerate(views) if v is not None]
+        if not have:
+            continue
+        path = seen[have[0]][key][0]
+        if len(have) < len(seen):
             lack = [r for r in range(len(seen)) if r not in have]
             raise UserError(f"config key '{key}': {path} exists for {describe_ranks(have)} but not for "
                             f"{describe_ranks(lack)}: every rank reads it, so every node must see it at the same "
                             "path (copy it there, or put it on a filesystem that every node mounts)")
+        first = views[0]
+        other = [r for r, v in enumerate(views) if v != first]
+        if other:
+            differ = sorted(n for n in set(first) | set(views[other[0]]) if first.get(n) != views[other[0]].get(n))
+            same = [r for r, v in enumerate(views) if v == first]
+            raise UserError(f"config key '{key}': {path} is not the same on every node: {describe_ranks(same)} and "
+                            f"{describe_ranks(other)} have different copies ({', '.join(differ[:3])} "
+                            f"{'differs' if len(differ) == 1 else 'differ'}): give every node the same copy")
+
+
+# Files up to this size are compared by content across ranks (up to COMPARED_BYTES_PER_PATH in all), larger ones by
+# size: a prepared store's shards are covered by the checksums in its store.json, a model's weights by their size
+# beside its config.json; a folder of many data files must not cost a full read on every rank.
+CONTENT_COMPARED_BYTES = 4 << 20
+COMPARED_BYTES_PER_PATH = 16 << 20
+
+
+def path_contents(path: str) -> dict[str, str] | None:
+    """What `path` holds, cheaply, for comparing copies on different nodes: {name: size, and a sha256 within the
+    limits above} of the file, or of the files directly in the folder (in name order); None if it does not
+    exist."""
+    import hashlib
+
+    p = os.path.abspath(path)
+    if not os.path.exists(p):
+        return None
+    files = [(os.path.basename(p), p)] if os.path.isfile(p) else sorted(  # hidden: locks, NFS's .nfs* files
+        (e.name, e.path) for e in os.scandir(p) if e.is_file() and not e.name.startswith("."))
+    out, budget = {}, COMPARED_BYTES_PER_PATH
+    for name, f in files:
+        try:
+            size = os.path.getsize(f)
+            digest = ""
+            if size <= min(CONTENT_COMPARED_BYTES, budget):
+                budget -= size
+                with open(f, "rb") as fh:
+                    digest = " " + hashlib.sha256(fh.read()).hexdigest()[:16]
+        except OSError as e:
+            out[name] = f"unreadable ({e.strerror})"
+            continue
+        out[name] = f"{size}{digest}"
+    return out
 
 
 def _error_kind(e: BaseException) -> str:
