@@ -147,8 +147,8 @@ def rendezvous_failure(rank: int, world: int, addr: str, port: str, timeout_s: f
     if rank == 0:
         return (f"rank 0 waited {timeout_s:g} s (distributed.timeout_s) at {addr}:{port} for the job's other ranks, "
                 f"and not all came: start every rank with the same world size ({world}), and "
-                "make MASTER_ADDR rank 0's host as the other nodes reach it, its port open to them (torch: "
-                f"{said})")
+                "make MASTER_ADDR rank 0's host as the other nodes reach it, its port open to them; or a rank failed "
+                f"before joining (see its log) (torch: {said})")
     return (f"rank {rank} could not join the job at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout_s:g} s "
             "(distributed.timeout_s): check that rank 0 is running, that MASTER_ADDR is rank 0's host as this node "
             f"reaches it (not localhost across machines), and that its port is open (torch: {said})")
