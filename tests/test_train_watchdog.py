@@ -625,17 +625,25 @@ FREEZE_IN_SECOND_SAVE = ("import os, signal, sys\n"
 
 
 @pytest.mark.slow
-def test_a_rank_0_frozen_while_the_others_wait_for_its_checkpoint_fails_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("heartbeat", [True, False], ids=["heartbeat", "no-heartbeat"])
+def test_a_rank_0_frozen_while_the_others_wait_for_its_checkpoint_fails_the_job(heartbeat: bool,
+                                                                               tmp_path: Path) -> None:
     """The others wait for rank 0's checkpoint write in the rendezvous store (no time limit: a big checkpoint on a
     slow filesystem must not fail the job), but the store lives in rank 0: a frozen rank 0 would block them for
-    good. The watchdog ends such a wait once the heartbeat has been silent for distributed.timeout_s."""
+    good. The watchdog ends such a wait once the heartbeat has been silent for distributed.timeout_s; with the
+    heartbeat off the write is waited for in a collective, whose timeout ends it."""
     out = tmp_path / "out"
-    with launch(tmp_path, 2, run_config(out, timeout_s=8), wrap={0: FREEZE_IN_SECOND_SAVE}) as procs:
+    cfg = run_config(out, timeout_s=8, **({} if heartbeat else {"heartbeat_timeout_s": 0}))
+    with launch(tmp_path, 2, cfg, wrap={0: FREEZE_IN_SECOND_SAVE}) as procs:
         r0, r1 = procs
         t_frozen, _ = r0.wait_for("freezing in the second checkpoint write", timeout=120)
         rc, t_exit = r1.wait(timeout=60)
         assert rc == EXIT_FAILED, r1.output[-3000:]
         assert t_exit - t_frozen < 8 + 8, t_exit - t_frozen  # the timeout, then a few heartbeat intervals
+        if not heartbeat:
+            _, line = r1.wait_for(r"a collective timed out after distributed.timeout_s = 8 s", timeout=1)
+            assert "step-5: continue with --resume auto" in line, line
+            return
         _, line = r1.wait_for(r"waited \d+ s in the rendezvous store for rank 0 to write checkpoint step-10", timeout=1)
         assert f"rank 0 (pid {r0.pid} on {HOST}) has not answered for" in line, line
         assert "longer than distributed.timeout_s = 8 s" in line and "step-5: continue with --resume auto" in line

@@ -151,9 +151,9 @@ class DistributedConfig:
     """Device: auto = the local GPU when CUDA is available, else CPU."""
     timeout_s: int = 300
     """Collective timeout in seconds: a rank that stops answering fails the job after this long (torch's 1800 is
-    half an hour of silence; the heartbeat names the rank sooner). Raise it only for steps slower than this. (Rank
-    0's checkpoint writes are waited for in the rendezvous store, however long they take; a rank the heartbeat has
-    not heard from for this long ends such a wait too.)"""
+    half an hour of silence; the heartbeat names the rank sooner). Raise it only for steps slower than this. (With
+    the heartbeat on, rank 0's checkpoint writes are waited for in the rendezvous store however long they take; a
+    rank the heartbeat has not heard from for this long ends such a wait too.)"""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size in MB (bigger buckets: fewer, larger allreduces; smaller: earlier overlap)."""
     grad_compression: Literal["none", "fp16", "bf16"] = "none"

@@ -404,8 +404,9 @@ class _Run:
 
         # long: the others wait in the store, not in a collective that fails after distributed.timeout_s (a 4 GB
         # checkpoint, checksummed, on a slow filesystem); the heartbeat still watches rank 0 meanwhile, and the
-        # watchdog ends the wait if rank 0 stops answering for longer than that
-        on_rank0(f"write checkpoint step-{step}", write, long=True)
+        # watchdog ends the wait if rank 0 stops answering for longer than that. Without a heartbeat nothing would:
+        # then the collective and its time limit, as before.
+        on_rank0(f"write checkpoint step-{step}", write, long=self.cfg.distributed.heartbeat_timeout_s > 0)
 
 
 # ----------------------------------------------------------------------------------------------- step pieces
