@@ -145,16 +145,18 @@ class HeartbeatMonitor:
     def silent(self, now: float, at_least_s: float) -> list[str]:
         """Running ranks silent for `at_least_s` or more, described for an error line."""
         with self._lock:
-            return [f"{p.name()} has not answered for {now - p.seen_at:.0f} s" for p in self.peers.values()
-                    if p.status == "running" and now - p.seen_at >= at_least_s]
+            return self._silent(now, at_least_s)
+
+    def _silent(self, now: float, at_least_s: float) -> list[str]:  # holding the lock
+        return [f"{p.name()} has not answered for {now - p.seen_at:.0f} s" for p in self.peers.values()
+                if p.status == "running" and now - p.seen_at >= at_least_s
+                and not (self.store_lost and p.rank == self.store_host)]
 
     def culprits(self, now: float) -> list[str]:
         """Ranks known to have failed or to be silent for `timeout_s`, described for an error line."""
         with self._lock:
             failed = [f"{p.name()} failed: {p.failure}" for p in self.peers.values() if p.failure]
-            silent = [f"{p.name()} has not answered for {now - p.seen_at:.0f} s" for p in self.peers.values()
-                      if p.status == "running" and now - p.seen_at >= self.timeout_s
-                      and not (self.store_lost and p.rank == self.store_host)]
+            silent = self._silent(now, self.timeout_s)
             if self.store_lost and self.store_host in self.peers:
                 failed.insert(0, f"{self.peers[self.store_host].name()} is gone (its rendezvous store: "
                                  f"{self.store_lost})")

@@ -120,14 +120,13 @@ def check_shared_output(output_dir: Path, run_id: str, dist: DistInfo) -> None:
     `output_dir`, waiting up to `SHARED_OUTPUT_WAIT_S` for a shared filesystem's caches."""
     if dist.world_size == 1:
         return
-    seen = "this run's run.json"
     deadline = time.monotonic() + SHARED_OUTPUT_WAIT_S
     while True:
         record = read_run(output_dir)
         if record is not None and record.get("run_id") == run_id:
             seen = None
             break
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:  # what this rank found instead
             seen = ("no run.json" if record is None else
                     f"the run.json of another run ({record.get('run_id')}, started {record.get('started', '?')})")
             break

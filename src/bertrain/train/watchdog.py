@@ -364,7 +364,8 @@ class Watchdog:
         waiting = store_wait()
         if waiting is None or now - waiting[0] < self.cfg.timeout_s:
             return
-        silent = self.heartbeat.silent(now, self.cfg.timeout_s) if self.heartbeat is not None else []
+        assert self.heartbeat is not None  # called only while the heartbeat runs
+        silent = self.heartbeat.silent(now, self.cfg.timeout_s)
         if not silent:
             return
         hint, _ = resume_hint(self.output_dir)
