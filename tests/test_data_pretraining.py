@@ -379,3 +379,57 @@ def test_static_packed_instances_and_records_from_before_split_sentences(tmp_pat
         find_static(out, sample, 12345)
     # NSP records carry no split_sentences: the same record as before it existed
     assert "split_sentences" not in sample_record(SampleConfig(), 1)
+
+
+def test_whole_word_masking_follows_the_reference_greedy_fill(prepared):
+    """google-research/bert create_masked_lm_predictions with do_whole_word_mask: words (a piece and its following
+    ## pieces) in random order; a word that would overshoot num_to_predict is skipped and later, shorter words are
+    still tried, so a sample gets exactly min(max_predictions, max(1, round(len * prob))) predictions whenever the
+    words allow it. Replayed here with the builder's own word order."""
+    from bertrain.data.samples import _uniform_bits
+
+    sample = SampleConfig(T, P, whole_word_masking=True)
+    ds = PretrainingDataset(prepared, sample, masking="dynamic")
+    vocab = read_vocab(VOCAB)
+    sub = np.array([t.startswith("##") for t in vocab])
+    n = 600
+    ids_ = np.arange(n)
+    b = ds.get_batch(0, ids_)
+    word_key = _uniform_bits(sample_keys(ds.seed, 0, ids_), np.arange(T, 2 * T))
+    L = b["attention_mask"].sum(1).numpy()
+    a_len = (b["token_type_ids"].numpy() == 0).sum(1) - (T - L)
+    short = 0
+    for i in range(n):
+        tokens = _unmask(b, i).numpy()
+        specials = {0, int(a_len[i]) - 1, int(L[i]) - 1}
+        words: list[list[int]] = []
+        for q in range(1, int(L[i])):
+            if q in specials:
+                continue
+            if sub[tokens[q]] and words and words[-1][-1] == q - 1:
+                words[-1].append(q)
+            else:
+                words.append([q])
+        # a word is keyed by its first piece (a B that starts mid-word: by the [SEP] before it)
+        words.sort(key=lambda w: (int(word_key[i, w[0] - sub[tokens[w[0]]]]), w[0]))
+        num_to_predict = min(P, max(1, int(round(L[i] * 0.15))))
+        expected: list[int] = []
+        for w in words:
+            if len(expected) >= num_to_predict:
+                break
+            if len(expected) + len(w) > num_to_predict:
+                continue
+            expected += w
+        valid = b["masked_labels"][i] != -100
+        got = sorted(b["masked_positions"][i][valid].tolist())
+        assert got == sorted(expected), i
+        short += len(expected) < num_to_predict
+    assert short < n * 0.01  # the count is met but where no word fits the rest
+
+
+def test_a_casing_mismatch_with_the_same_vocab_says_which_key_to_set(prepared):
+    """Data prepared uncased, trained with data.do_lower_case false and the same vocab.txt: the general advice
+    (re-run prepare with the model's vocab file) would change nothing; the error names the key and its value."""
+    ds = PretrainingDataset(prepared, SAMPLE)
+    with pytest.raises(ValueError, match=r"prepared uncased .*'data\.do_lower_case'\): set it to true"):
+        ds.check_tokenizer(VOCAB, False)

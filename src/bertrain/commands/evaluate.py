@@ -39,7 +39,7 @@ def _read_json_object(path: str, what: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bertrain.tasks.metrics import evaluate_squad
+    from bertrain.tasks.metrics import evaluate_squad, is_squad_v2
     from bertrain.tasks.squad import load_dataset_json
     from bertrain.utils.errors import writing
     from bertrain.utils.io import atomic_write_json
@@ -61,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if strangers:  # the official scripts ignore them silently; usually the wrong data file or a wrong split
         log.warning("%d of %d predictions are for question ids not in %s (ignored), e.g. %s", len(strangers),
                     len(preds), args.data, ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else ""))
+    if na_probs is not None and (args.version or ("2.0" if is_squad_v2(dataset) else "1.1")) == "2.0":
+        lacking = [qid for qid in preds if qid in qids and qid not in na_probs]
+        if lacking:  # the official script stops with a KeyError; name the file and what to give
+            raise ValueError(f"{args.na_prob_file}: no value for question id {lacking[0]} ({len(lacking)} of the "
+                             f"{len(preds)} predicted questions lack one): give the null_odds.json written with "
+                             f"{args.predictions}")
     result = evaluate_squad(dataset, preds, na_probs, version=args.version, na_prob_thresh=args.na_prob_thresh)
     print(json.dumps(result, indent=2))
     if args.output:

@@ -3,13 +3,17 @@ bertrain.data.prepare; `--add-heldout DIR` gives a store prepared without a held
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 
 from bertrain.data.prepare import PrepareConfig, add_heldout, prepare
 from bertrain.data.readers import INPUT_FORMATS, CorpusConfig
 from bertrain.data.samples import SampleConfig
 from bertrain.data.tokenizer import recorded_casing
 from bertrain.utils.errors import UserError
+
+log = logging.getLogger(__name__)
 
 HELP = "tokenize corpora into a sharded token store and (--masking static) pretraining instances"
 
@@ -79,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
                           masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
                           whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence,
                           split_sentences=args.split_sentences)
+    if args.masking != "static":
+        _warn_unused_sample_flags(sample, args.masking)
     do_lower_case = args.do_lower_case
     if do_lower_case is None:
         recorded = recorded_casing(args.vocab_file)
@@ -94,3 +100,19 @@ def run(args: argparse.Namespace) -> int:
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0
+
+
+def _warn_unused_sample_flags(sample: SampleConfig, masking: str) -> None:
+    """Google's create_pretraining_data takes the sample settings at prepare time; with dynamic masking they belong
+    to the pretraining config (`sample.*`), so flags that change them here would be silently ignored."""
+    default = SampleConfig()
+    flags = {"max_seq_length": "--max-seq-length", "max_predictions_per_seq": "--max-predictions-per-seq",
+             "masked_lm_prob": "--masked-lm-prob", "short_seq_prob": "--short-seq-prob",
+             "whole_word_masking": "--whole-word-masking", "next_sentence": "--no-next-sentence",
+             "split_sentences": "--whole-sentences"}
+    given = [f"{flag} (sample.{f.name}: {json.dumps(getattr(sample, f.name))})" for f in dataclasses.fields(sample)
+             if (flag := flags.get(f.name)) and getattr(sample, f.name) != getattr(default, f.name)]
+    if given:
+        log.warning("--masking %s writes the token store only: %s not used here; samples are built at training time "
+                    "from the pretraining config's sample.* keys, so set them there", masking,
+                    ", ".join(given) + (" is" if len(given) == 1 else " are"))

@@ -21,7 +21,7 @@ from bertrain.data.sampler import RankSampler, ResumableLoader
 from bertrain.data.samples import (NSP_NONE, ROW_HEADER, InstanceBuilder, SampleConfig, find_static,
                                    open_instances)
 from bertrain.data.store import TokenStore, heldout_status, read_store_meta
-from bertrain.data.tokenizer import check_tokenizer_identity
+from bertrain.data.tokenizer import check_tokenizer_identity, tokenizer_identity
 
 Masking = Literal["static", "dynamic"]
 EVAL_SEED = 20251
@@ -46,6 +46,17 @@ def rows_to_batch(rows: np.ndarray, sample: SampleConfig) -> dict[str, torch.Ten
         "masked_labels": torch.from_numpy(labels),
         "next_sentence_labels": torch.from_numpy(np.where(nsp == NSP_NONE, -100, nsp)),
     }
+
+
+def _check_tokenizer(expected: str, vocab_file: str | os.PathLike, do_lower_case: bool, where: str) -> None:
+    """`check_tokenizer_identity`, and where only the casing differs (the same vocab.txt) an error that says so:
+    re-running prepare with the model's vocab file, the general advice, would change nothing."""
+    if tokenizer_identity(vocab_file, not do_lower_case) == expected:
+        was, now = ("uncased", "true") if not do_lower_case else ("cased", "false")
+        raise ValueError(f"tokenizer mismatch: {where} was prepared {was} with {vocab_file}, but do_lower_case is "
+                         f"{str(do_lower_case).lower()} (pretraining: config key 'data.do_lower_case'): set it to "
+                         f"{now}, or prepare the data again with the casing you want")
+    check_tokenizer_identity(expected, vocab_file, do_lower_case, where)
 
 
 class PretrainingDataset:
@@ -111,7 +122,7 @@ class PretrainingDataset:
 
     def check_tokenizer(self, vocab_file: str | os.PathLike, do_lower_case: bool) -> None:
         """Raise `ValueError` unless the data was tokenized with `vocab_file` and this casing."""
-        check_tokenizer_identity(self.tokenizer_identity, vocab_file, do_lower_case, str(self.data_dir))
+        _check_tokenizer(self.tokenizer_identity, vocab_file, do_lower_case, str(self.data_dir))
 
 
 class _BatchFetcher:
@@ -215,4 +226,4 @@ class HeldoutEvalSet:
 
     def check_tokenizer(self, vocab_file: str | os.PathLike, do_lower_case: bool) -> None:
         """Raise `ValueError` unless the held-out store was tokenized with `vocab_file` and this casing."""
-        check_tokenizer_identity(self.tokenizer_identity, vocab_file, do_lower_case, str(self.dir))
+        _check_tokenizer(self.tokenizer_identity, vocab_file, do_lower_case, str(self.dir))

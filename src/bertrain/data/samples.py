@@ -29,8 +29,8 @@ How we make that fast and replayable (the parts that differ from the reference, 
   FULL-SENTENCES do: every block is full (but the last, and the short-target ones). `split_sentences=False` packs
   whole sentences only, which left ~19% of the slots empty on the shipped corpora (BENCHMARKS.md, packing): with
   unpadding empty slots cost little time, but each step then learns from that many fewer tokens.
-* **Whole-word masking** picks words in random order and stops at the first word that no longer fits in the
-  budget (the reference skips it and tries later words), so it can mask a few tokens fewer.
+* **Whole-word masking** picks words in random order and, as the reference, skips a word that no longer fits in the
+  budget and tries later ones (a loop over words, vectorised over the samples).
 
 numpy only (no torch): `prepare` and its workers build and write instances with it; `bertrain.data.pretraining`
 turns rows into training batches.
@@ -460,13 +460,26 @@ class InstanceBuilder:
             key[~candidate] = never
             order = np.argsort(key, axis=1, kind="stable")  # words contiguous and in position order
             ws_sorted = np.take_along_axis(word_start, order, axis=1)
-            last_of_word = np.ones((n, T), bool)
-            last_of_word[:, :-1] = ws_sorted[:, 1:] != ws_sorted[:, :-1]
-            # A word is taken iff its last token ranks below n_pred (ranks count tokens of earlier words).
-            rank = np.arange(T)[None, :]
-            end_rank = np.where(last_of_word, rank, T)
-            end_rank = np.minimum.accumulate(end_rank[:, ::-1], axis=1)[:, ::-1]
-            take = (end_rank < n_pred[:, None]) & np.take_along_axis(candidate, order, axis=1)
+            cand_sorted = np.take_along_axis(candidate, order, axis=1)
+            first_of_word = np.ones((n, T), bool)
+            first_of_word[:, 1:] = ws_sorted[:, 1:] != ws_sorted[:, :-1]
+            first_of_word &= cand_sorted
+            word_rank = np.cumsum(first_of_word, axis=1) - 1  # the k-th word in random order (candidates only)
+            n_words = first_of_word.sum(1)
+            r_idx, k_idx = np.nonzero(cand_sorted)
+            lengths = np.zeros((n, T), np.int64)  # lengths[r, k]: tokens of row r's k-th word
+            np.add.at(lengths, (r_idx, word_rank[r_idx, k_idx]), 1)
+            # The reference's greedy fill: words in random order, one that would overshoot n_pred is skipped and
+            # later (shorter) words are still tried, until n_pred tokens are masked.
+            count = np.zeros(n, np.int64)
+            taken = np.zeros((n, T), bool)
+            for k in range(int(n_words.max(initial=0))):
+                fits = (lengths[:, k] > 0) & (count + lengths[:, k] <= n_pred)
+                taken[:, k] = fits
+                count += fits * lengths[:, k]
+                if np.all((count >= n_pred) | (k + 1 >= n_words)):
+                    break
+            take = cand_sorted & np.take_along_axis(taken, np.maximum(word_rank, 0), axis=1)
             n_pred = take.sum(1)
             chosen = np.where(take, order, T)
         else:

@@ -49,11 +49,14 @@ def merge_gathered(parts: list[tuple[np.ndarray, Any]], n: int) -> list[np.ndarr
 @torch.no_grad()
 def distributed_forward(model: torch.nn.Module, feats: dict[str, np.ndarray], outputs: Callable[[Any], tuple],
                         dist: DistInfo, batch_size: int, precision: Precision | None = None,
-                        trim: bool = True) -> list[np.ndarray]:
+                        trim: bool = True, per_token: bool = True) -> list[np.ndarray]:
     """Run `model` over all of `feats`, sharded over ranks; every rank gets all outputs in example order.
 
-    `outputs(model_output)` picks the tensors to keep, each (B, ...); columns cut by trimming come back as
-    -10000 so that per-token outputs (QA logits) keep the full width and never win an argmax.
+    `outputs(model_output)` picks the tensors to keep, each (B, ...); with `per_token` (QA logits) columns cut by
+    trimming come back as -10000 so that the outputs keep the full width and never win an argmax. Per-example
+    outputs (classification logits) pass `per_token=False`: a batch trimmed to as many tokens as there are
+    classes (a sentence of characters the tokenizer drops, alone in the last batch: [CLS] [SEP], 2 tokens) had
+    its (B, 2) logits widened too, and joining them to the other batches failed.
     """
     n = len(feats["input_ids"])
     L = feats["input_ids"].shape[1]
@@ -75,7 +78,7 @@ def distributed_forward(model: torch.nn.Module, feats: dict[str, np.ndarray], ou
         arrs = []
         for t in out:
             t = t.float().cpu().numpy()
-            if t.ndim == 2 and t.shape[1] < L and t.shape[1] == batch["input_ids"].shape[1]:
+            if per_token and t.ndim == 2 and t.shape[1] < L and t.shape[1] == batch["input_ids"].shape[1]:
                 t = np.concatenate([t, np.full((t.shape[0], L - t.shape[1]), -10000.0, np.float32)], axis=1)
             arrs.append(t)
         chunks.append(arrs)

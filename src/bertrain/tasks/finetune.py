@@ -149,6 +149,9 @@ class SquadFinetuneConfig(FinetuneConfig):
             raise ValueError("config key 'data.train_file' is required to fine-tune (--train)")
         if self.do_eval and not self.data.dev_file:
             raise ValueError("config key 'data.dev_file' is required to evaluate (--dev)")
+        for key in ("n_best_size", "max_answer_length"):  # 0 gave every question the answer "" (or "empty")
+            if getattr(self.data, key) < 1:
+                raise ValueError(f"config key 'data.{key}' must be >= 1, got {getattr(self.data, key)}")
 
 
 @dataclass
@@ -301,16 +304,50 @@ def _start(cfg: FinetuneConfig, dist: DistInfo) -> Path:
     out = Path(cfg.output_dir)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if not cfg.do_train:  # a training run saves it with its checkpoints
-            save_config(cfg, out / "config.yaml")
     return out
+
+
+def _record_eval_config(cfg: FinetuneConfig, out: Path) -> None:
+    """An evaluation-only run's config.yaml (a training run saves it with its checkpoints), written once the
+    evaluation is done: written at the start, it made a run refused on its inputs (a model without the task's head,
+    a bad dev file) a run the corrected command had to --overwrite."""
+    if not cfg.do_train:
+        save_config(cfg, out / "config.yaml")
 
 
 def eval_model(cfg: FinetuneConfig, kind: str, num_labels: int, dist: DistInfo) -> nn.Module:
     """The `cfg.init` model to evaluate (a bertrain or an HF folder), with the model options, on the device."""
     torch.manual_seed(cfg.seed)
     model = load_model(kind, cfg.init, num_labels)
+    # Without training, a head the folder lacks (a pretrained model; a classifier with another number of labels,
+    # re-initialised) would be scored at random and its test predictions written as if they meant something.
+    needed = ("QA head",) if kind == "qa" else ("classification head", "pooler")
+    fresh = [h for h in getattr(model, "loading_info", {}).get("initialized", []) if h in needed]
+    if fresh:
+        what = "a QA head" if kind == "qa" else f"a classification head with {num_labels} output(s)"
+        raise ValueError(f"--init {cfg.init} has no trained {' or '.join(fresh)} ({what} is needed): evaluating "
+                         "it (do_train false) would score random weights; fine-tune it first (do_train true), or "
+                         "give the folder of a model fine-tuned on this task")
     return apply_model_options(model, cfg.model_options).to(dist.device)
+
+
+def warn_other_settings(init: str, settings: dict[str, Any]) -> None:
+    """One warning when the model to evaluate was fine-tuned with other feature settings (its task.json) than
+    this evaluation's: `bertrain finetune ... --do_train false` on an exported model then gives other numbers
+    than the fine-tuning printed, without a word of why."""
+    from bertrain.model.hf import resolve_model_dir
+
+    try:
+        saved = json.loads((resolve_model_dir(init) / "task.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict):
+        return
+    other = [f"data.{k} {saved[k]!r} there, {v!r} here" for k, v in settings.items() if k in saved and saved[k] != v]
+    if other:
+        log.warning("%s was fine-tuned with other settings than this evaluation's (%s): its dev numbers will differ "
+                    "from those its fine-tuning reported; pass those settings to evaluate it as it was",
+                    init, "; ".join(other))
 
 
 def _article_slice(spec: str, key: str) -> slice:
@@ -327,6 +364,8 @@ def _article_slice(spec: str, key: str) -> slice:
 
 def _subset_squad_file(path: str, spec: str, key: str, out_dir: Path, name: str) -> tuple[str, dict]:
     """The SQuAD file restricted to some articles: (path of the file to read, its parsed JSON)."""
+    if not Path(path).exists():
+        raise ValueError(f"config key 'data.{name}_file' (--{name}): {path} does not exist")
     data = load_dataset_json(path, scoring=name == "dev")
     if not spec:
         return path, data
@@ -373,6 +412,10 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             return examples, built["feats"]
 
         pcfg = SquadPostprocessConfig(d.n_best_size, d.max_answer_length, d.null_score_diff_threshold)
+        # evaluate-v2.0.py with null_odds.json as its --na-prob-file scores a question with null odds above its
+        # --na-prob-thresh (1.0) as "no answer"; with a null_score_diff_threshold above 1.0 that would score
+        # questions predictions.json answers as unanswered. Its threshold then: exact/f1 are predictions.json's.
+        na_thresh = max(1.0, d.null_score_diff_threshold)
         dev = None
         if cfg.do_eval:
             dev_path, dev_json = _subset_squad_file(d.dev_file, d.dev_articles, "data.dev_articles", out_dir, "dev")
@@ -385,7 +428,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                 def score() -> dict[str, float]:  # rank 0 scores, every rank learns the numbers
                     preds, _, null_odds = postprocess_predictions(dev_examples, dev_feats, start, end, pcfg, v2)
                     official = evaluate_squad(dev_json, preds, null_odds if v2 else None,
-                                              version="2.0" if v2 else "1.1")
+                                              version="2.0" if v2 else "1.1", na_prob_thresh=na_thresh)
                     return {k: float(v) for k, v in official.items() if isinstance(v, (int, float))}
 
                 return on_rank0("score the dev set", score)
@@ -409,6 +452,10 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                            **_train_results(run))
         else:
             model = eval_model(cfg, "qa", 2, dist)
+            if dist.is_main:
+                warn_other_settings(cfg.init, {"max_seq_length": d.max_seq_length, "doc_stride": d.doc_stride,
+                                               "max_query_length": d.max_query_length,
+                                               "version_2_with_negative": v2})
         if cfg.do_eval:
             examples, feats = dev_examples, dev_feats
             t0 = time.perf_counter()
@@ -421,7 +468,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                 preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg, v2)
                 write_prediction_files(out_dir, preds, nbest, null_odds if v2 else None)
                 official = evaluate_squad(dev_json, preds, null_odds if v2 else None,
-                                          version="2.0" if v2 else "1.1")
+                                          version="2.0" if v2 else "1.1", na_prob_thresh=na_thresh)
                 results.update(official)
                 results.update(eval_examples=len(examples), eval_features=len(feats["input_ids"]),
                                eval_seconds=round(eval_s, 1))
@@ -444,6 +491,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                     "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
 
         on_rank0("export the final model", export, long=True)
+        on_rank0("record the config", functools.partial(_record_eval_config, cfg, out_dir))
         if cfg.do_train:
             run.finish(results, out_dir / "final", out_dir / "eval_results.json")
         return results if dist.is_main else {}
@@ -454,7 +502,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
 def _glue_predictions(model: nn.Module, feats: dict[str, np.ndarray], task: Any, cfg: GlueFinetuneConfig,
                       dist: DistInfo, precision: Precision) -> np.ndarray:
     (logits,) = distributed_forward(model, feats, lambda o: (o.logits,), dist, cfg.eval_batch_size, precision,
-                                    trim=cfg.train.trim_padding)
+                                    trim=cfg.train.trim_padding, per_token=False)
     return logits[:, 0] if task.is_regression else logits.argmax(axis=1)
 
 
@@ -512,6 +560,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
         label_ids = None  # a trained head predicts the task's label ids
         if not cfg.do_train:
             model = eval_model(cfg, "cls", task.num_labels, dist)
+            if dist.is_main:
+                warn_other_settings(cfg.init, {"max_seq_length": d.max_seq_length})
             # a classifier fine-tuned elsewhere (transformers' run_glue: MNLI as entailment, neutral,
             # contradiction) may order its classes otherwise: its config's label names say how
             label_ids = model_label_ids(task, getattr(model, "id2label", None))
@@ -554,6 +604,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                     "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
 
         on_rank0("write the results and the final model", finish, long=True)
+        on_rank0("record the config", functools.partial(_record_eval_config, cfg, out_dir))
         if cfg.do_train:
             run.finish(results, out_dir / "final", out_dir / "eval_results.json")
         return results if dist.is_main else {}

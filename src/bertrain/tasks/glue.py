@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -196,6 +197,8 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask, layout: Layout) -> li
                             label = float(raw)
                         except ValueError:
                             raise ValueError(f"{where}: {task.name} label {raw!r} is not a number") from None
+                        if not math.isfinite(label):  # float() takes 'nan' and 'inf': the loss would be NaN
+                            raise ValueError(f"{where}: {task.name} label {raw!r} is not a finite number")
                     else:
                         if raw not in task.labels:  # type: ignore[operator]
                             raise ValueError(f"{where}: label {raw!r} is not one of {task.name}'s labels "
@@ -369,6 +372,8 @@ def _hub_label(task: GlueTask, value: object, where: str, float32: bool) -> str 
     if task.is_regression:
         if value is None or value != value:  # None or NaN
             raise ValueError(f"{where}: column 'label' is empty, expected a similarity score")
+        if not math.isfinite(float(value)):  # type: ignore[arg-type]
+            raise ValueError(f"{where}: column 'label' is {value!r}, expected a finite similarity score")
         return float(str(np.float32(value))) if float32 else float(value)  # type: ignore[arg-type]
     assert cols.tsv_labels is not None
     if isinstance(value, str):

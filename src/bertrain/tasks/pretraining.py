@@ -5,13 +5,15 @@ or synthetic samples), a `BertForPreTraining` (a preset, a config.json, or weigh
 loss sums of `bertrain.model.losses`; everything else is `bertrain.train.trainer.Trainer`.
 
 With `data.input` and no `data.prepared`, rank 0 trains a WordPiece vocabulary (unless `data.vocab_file` is
-given) into OUTPUT/vocab/ and prepares the corpus into OUTPUT/data/ — each only if not already there, so a re-run
-or a resume reuses them — while the other ranks wait. The tokenizer identity of the data is checked against the
+given; with `model.init`, the model's own vocab.txt is copied instead) into OUTPUT/vocab/ and prepares the corpus
+into OUTPUT/data/ — each only if not already there, so a re-run or a resume reuses them — while the other ranks
+wait. The tokenizer identity of the data is checked against the
 vocab the model is built with: a mismatch is an error, not a garbage run.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,8 @@ from bertrain.data.store import heldout_status
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.hf import config_from_json_file, model_dir_or_name, tokenizer_files_from_vocab
+from bertrain.model.hf import (config_from_json_file, model_dir_or_name, read_tokenizer_files, resolve_model_dir,
+                              tokenizer_files_from_vocab)
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
@@ -40,6 +43,7 @@ from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer, to_device, trim_padding
 from bertrain.utils.errors import UserError, writing
+from bertrain.utils.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,8 @@ class DataConfig:
     input: list[str] = field(default_factory=list)
     """Raw corpus inputs (files, globs, or builtin:python-docs) prepared into OUTPUT/data when `prepared` is unset."""
     vocab_file: Optional[str] = None
-    """WordPiece vocab.txt; with raw `input` and no vocab file a vocab is trained into OUTPUT/vocab/vocab.txt."""
+    """WordPiece vocab.txt; with raw `input` and no vocab file a vocab is trained into OUTPUT/vocab/vocab.txt (with
+    `model.init`: the model's vocab.txt is used)."""
     vocab_size: int = 8192
     """Size of the vocabulary trained on the fly (only without vocab_file), or of synthetic samples' ids."""
     do_lower_case: bool = True
@@ -303,6 +308,17 @@ def prepare_on_the_fly(cfg: PretrainConfig) -> tuple[Path, Path]:
         vocab_file = Path(d.vocab_file)
         if not vocab_file.is_file():
             raise ValueError(f"config key 'data.vocab_file': {vocab_file} does not exist")
+    elif cfg.model.init:
+        # Continued pretraining: the corpus is tokenized with the model's own vocabulary (as HF run_mlm uses the
+        # model's tokenizer), not with a new one that the model's embeddings do not match.
+        vocab_file = out / "vocab" / "vocab.txt"
+        init_vocab = read_tokenizer_files(resolve_model_dir(cfg.model.init)).get("vocab.txt")
+        if init_vocab is None:
+            raise ValueError(f"config key 'model.init': {cfg.model.init} has no vocab.txt (nor a BERT tokenizer.json) "
+                             "to tokenize data.input with: give data.vocab_file")
+        if not vocab_file.is_file() or vocab_file.read_bytes() != init_vocab:
+            atomic_write_bytes(vocab_file, init_vocab)
+        log.info("tokenizing data.input with the vocabulary of model.init %s", cfg.model.init)
     else:
         vocab_file = out / "vocab" / "vocab.txt"
         ensure_vocab(d.input, vocab_file.parent, d.vocab_size, d.do_lower_case, corpus)
@@ -329,6 +345,9 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
         if init_vocab and tokenizer_files and tokenizer_files.get("vocab.txt") not in (None, init_vocab):
             raise ValueError(f"config key 'model.init': the vocab.txt of {m.init} differs from the vocabulary the "
                              "data was tokenized with; prepare the data with the model's vocab.txt")
+        init_lower = _recorded_lower_case(Path(model_dir_or_name(m.init)))
+        if tokenizer_files and init_lower is not None and init_lower != cfg.data.do_lower_case:
+            raise ValueError(_casing_message(cfg, init_lower))
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
                              f"data's vocabulary has {vocab_size} entries")
@@ -349,6 +368,16 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
         raise ValueError(f"config key 'sample.max_seq_length' ({cfg.sample.max_seq_length}) exceeds the model's "
                          f"max_position_embeddings ({model.config.max_position_embeddings})")
     return model
+
+
+def _recorded_lower_case(folder: Path) -> bool | None:
+    """The casing the tokenizer_config.json of a model folder records (None: no such file or key; a casing that
+    bertrain would only guess for a folder without one is not held against the data)."""
+    try:
+        value = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("do_lower_case")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -383,6 +412,7 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
     `overwrite` moves another run's folder aside; `allow_config_change` applies run-changing keys on resume."""
     out = Path(cfg.output_dir)
     check_model_fits_samples(cfg)
+    check_init_casing(cfg)
     with distributed_context(cfg.distributed) as dist, run_folder(out, "pretrain", dist, resume, overwrite):
         same_paths_on_every_rank(input_paths(cfg))
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
@@ -422,6 +452,24 @@ def check_model_fits_samples(cfg: PretrainConfig) -> None:
                         f"max_position_embeddings ({positions}): lower it or use a model with more positions")
 
 
+def check_init_casing(cfg: PretrainConfig) -> None:
+    """Refuse data cased otherwise than the `model.init` model before any vocabulary or data is built (as
+    google-research/bert's validate_case_matches_checkpoint); `build_model` checks it again."""
+    m, d = cfg.model, cfg.data
+    if not m.init or d.source == "synthetic":
+        return
+    lower = _recorded_lower_case(resolve_model_dir(m.init))
+    if lower is not None and lower != d.do_lower_case:
+        raise UserError(_casing_message(cfg, lower))
+
+
+def _casing_message(cfg: PretrainConfig, init_lower: bool) -> str:
+    return (f"config key 'data.do_lower_case' is {str(cfg.data.do_lower_case).lower()} but {cfg.model.init} is "
+            f"{'uncased' if init_lower else 'cased'} (its tokenizer_config.json says do_lower_case = "
+            f"{str(init_lower).lower()}): set data.do_lower_case: {str(init_lower).lower()}"
+            + ("" if cfg.data.source == "raw" else " and prepare the data that way"))
+
+
 def model_positions(cfg: PretrainConfig) -> int | None:
     """The max_position_embeddings of the model the run trains (from its preset, config.json or init folder; None
     when that folder has no config.json yet), known before anything is built."""
@@ -431,6 +479,13 @@ def model_positions(cfg: PretrainConfig) -> int | None:
 
         init = resolve_model_dir(m.init)
         config = config_from_json_file(init / "config.json") if (init / "config.json").is_file() else None
+        if config is not None:  # an initialised model keeps its shape: its positions, not the override's
+            given = m.max_position_embeddings
+            if given is not None and given != config.max_position_embeddings:
+                raise UserError(f"config key 'model.max_position_embeddings' = {given} disagrees with the model.init "
+                                f"weights ({m.init} has {config.max_position_embeddings}); an initialised model "
+                                "keeps its shape: remove the key")
+            return config.max_position_embeddings
     elif m.preset.endswith(".json") or Path(m.preset).is_file():
         config = config_from_json_file(m.preset)
     else:

@@ -182,7 +182,10 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
                 question = qa.get("question")
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError(f"{where}: empty question")
-                is_impossible = bool(qa.get("is_impossible", False))
+                is_impossible = qa.get("is_impossible")
+                if is_impossible not in (None, True, False):  # bool("false") is True: the question would flip
+                    raise ValueError(f"{where}: 'is_impossible' must be true or false, got {is_impossible!r}")
+                is_impossible = bool(is_impossible)
                 if is_impossible and version_2_with_negative is False:
                     raise ValueError(f"{where}: unanswerable question in a file read as SQuAD v1.1 "
                                      "(pass --version-2-with-negative)")
@@ -194,6 +197,8 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
                 if not is_impossible and not answers:
                     raise ValueError(f"{where}: no answers and not marked is_impossible")
                 plausible = qa.get("plausible_answers", []) if is_impossible else []
+                if not isinstance(plausible, list):
+                    raise ValueError(f"{where}: 'plausible_answers' is not a list, got {plausible!r:.80}")
                 for kind, lst in (("answer", answers), ("plausible answer", plausible)):
                     for a in lst:
                         _check_answer(a, context, f"{where}: {kind}")
