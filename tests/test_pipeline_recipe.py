@@ -48,6 +48,10 @@ def test_real_recipes_follow_nvidia_and_compare_with_the_paper(size, layers, pap
     assert (p2.sample.max_seq_length, p2.train.steps, p2.train.global_batch_size, p2.optim.lr) == (512, 1563, 32768, 4e-3)
     assert p1.optim.name == p2.optim.name == "nvlamb" and p1.model.preset == size
     assert p2.model.init.endswith("pretrain-phase1/final")
+    # NVIDIA's phase 2 continues phase 1's LAMB moments: the recipe's `init_state: phase1` is phase 1's run folder
+    assert p1.optim.init_state is None and p2.optim.init_state == str(recipe.run_dir / "pretrain-phase1")
+    with pytest.raises(UserError, match="'optim.init_state': 'phase1'.*set it under phase2"):
+        build_stages(load_recipe(REPO / "configs" / "recipes" / f"bert-{size}.yaml", ["phase1.optim.init_state=phase1"]))
     assert stages["finetune-squad1.1-pretrained-s42"].config.data.train_file.endswith("train-v1.1.json")
     glue = {s.config.data.task for s in stages.values() if s.name.startswith("finetune-") and "squad" not in s.name}
     assert glue == {"mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte"}

@@ -259,6 +259,8 @@ def test_finetune_stops_where_the_history_says_and_ends_with_the_best(tmp_path: 
     assert json.loads((out / BEST / BEST_JSON).read_text())["step"] == 3
     best, final = (load_file(str(out / d / "model.safetensors")) for d in (BEST, "final"))
     assert best.keys() == final.keys() and all(torch.equal(best[k], final[k]) for k in best)
+    # best/ is a model folder predict and serve read as final/: the same task.json (labels, sequence length)
+    assert json.loads((out / BEST / "task.json").read_text()) == json.loads((out / "final" / "task.json").read_text())
     # the final dev evaluation is the best model's: the number the selection saw
     assert results["dev"]["accuracy"] == sel["best_value"]
     assert not (out / "step-40").exists() and (out / "step-9" / ckpt.COMPLETE).exists()

@@ -412,3 +412,31 @@ def test_finetune_under_fsdp_equals_ddp(tmp_path: Path) -> None:
     torch.testing.assert_close(ddp["final_loss"], fsdp["final_loss"], rtol=1e-5, atol=0)
     for name in ("dev_predictions.tsv", "RTE.tsv"):
         assert (outs["ddp"] / name).read_text() == (outs["fsdp"] / name).read_text()
+
+
+@pytest.mark.slow
+def test_optimizer_moments_from_another_run_in_every_combination(runs: dict[str, Path], tmp_path: Path) -> None:
+    """`optim.init_state` (NVIDIA's phase 2: phase 1's moments, steps counted from 0): a DDP or a sharded checkpoint
+    into a DDP or an FSDP run, all from the same weights, give the same steps; a run without it other steps."""
+    weights = str(runs["ddp-lamb"] / "step-10")
+    out: dict[str, Path] = {}
+    for name, strategy, source in (("ddp<-ddp", "ddp", "ddp-lamb"), ("ddp<-dcp", "ddp", "fsdp-lamb"),
+                                   ("fsdp<-ddp", "fsdp", "ddp-lamb"), ("fsdp<-dcp", "fsdp", "fsdp-lamb"),
+                                   ("fresh", "ddp", None)):
+        out[name] = tmp_path / name.replace("<-", "-from-")
+        cfg = config(out[name], strategy=strategy)
+        cfg["model"]["init"] = weights
+        cfg["train"]["steps"] = 4
+        cfg["optim"]["lr"] = 0.004
+        if source:
+            cfg["optim"]["init_state"] = str(runs[source] / "step-10")
+        log = pretrain(2, cfg)
+        if source:
+            assert f"(optim.init_state); step counters start at 0" in log
+    base = records(out["ddp<-ddp"])
+    for name in ("ddp<-dcp", "fsdp<-ddp", "fsdp<-dcp"):
+        assert_records_close(base, records(out[name]), range(1, 5))
+        assert_weights_close(final(out["ddp<-ddp"]), final(out[name]), rtol=1e-4, atol=1e-5)
+    fresh = records(out["fresh"])
+    assert fresh[1]["loss"] == pytest.approx(base[1]["loss"], rel=1e-6)  # the same weights and batch ...
+    assert abs(fresh[2]["loss"] - base[2]["loss"]) > 1e-4  # ... but another first step

@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--samples", args.samples), ("--epoch", args.epoch)):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+    for flag, value in (("--max-seq-length", args.max_seq_length),
+                        ("--max-predictions-per-seq", args.max_predictions_per_seq)):
+        if value is not None and value < 1:  # 0 was taken for "not given": the default was shown instead
+            raise UserError(f"{flag} must be >= 1, got {value}")
     data_dir = Path(args.data_dir)
     store = TokenStore(data_dir, verify=args.verify)  # clear errors for incomplete/corrupt folders
     try:
@@ -39,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if masking == "auto":
         masking = "static" if stats.get("masking") == "static" else "dynamic"
     overrides = {k: v for k, v in (("max_seq_length", args.max_seq_length),
-                                   ("max_predictions_per_seq", args.max_predictions_per_seq)) if v}
+                                   ("max_predictions_per_seq", args.max_predictions_per_seq)) if v is not None}
     sample = dataclasses.replace(recorded, **overrides)
     ds = PretrainingDataset(data_dir, sample, masking=masking, seed=seed, verify=False)
     vocab = read_vocab(data_dir / "vocab.txt")

@@ -31,8 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="write JSON lines here instead of stdout")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per forward pass")
     parser.add_argument("--max-seq-length", type=int, default=None, help="default: from task.json")
-    parser.add_argument("--null-score-diff-threshold", type=float, default=0.0,
-                        help="SQuAD v2.0 models: answer '' when score(null) - score(best span) exceeds this")
+    parser.add_argument("--null-score-diff-threshold", type=float, default=None,
+                        help="SQuAD v2.0 models: answer '' when score(null) - score(best span) exceeds this "
+                             "(default: task.json's, else 0.0)")
+    parser.add_argument("--max-answer-length", type=int, default=None,
+                        help="QA: longest answer in tokens (default: task.json's, the run's "
+                             "data.max_answer_length, else 30)")
+    parser.add_argument("--n-best-size", type=int, default=None,
+                        help="QA: start and end candidates per window (default: task.json's, else 20)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
                         help="what runs the model: torch (a model folder) or onnxruntime (a folder written by "
@@ -43,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bertrain.deploy.predict import Predictor, batched, read_items
+    from bertrain.deploy.predict import Predictor, batched, pair_mismatch, read_items
     from bertrain.utils.errors import UserError, writing
     from bertrain.utils.io import atomic_write_text
 
@@ -51,11 +57,21 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-size must be >= 1")
     p = Predictor(args.model, task=args.task, device=args.device, batch_size=args.batch_size,
                   max_seq_length=args.max_seq_length, backend=args.backend)
-    kwargs = {"null_score_diff_threshold": args.null_score_diff_threshold} if p.task == "qa" else {}
+    for flag, value in (("--max-answer-length", args.max_answer_length), ("--n-best-size", args.n_best_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    kwargs = {"null_score_diff_threshold": args.null_score_diff_threshold, "max_answer_length": args.max_answer_length,
+              "n_best_size": args.n_best_size} if p.task == "qa" else {}
 
     if args.question is not None or args.context is not None or args.text is not None:
         if args.input is not None:
             raise ValueError("give either --input or --question/--context/--text, not both")
+        for flag, value in (("--question", args.question), ("--context", args.context), ("--text", args.text),
+                            ("--text-pair", args.text_pair)):
+            bad = next((i for i, ch in enumerate(value or "") if "\udc80" <= ch <= "\udcff"), None)
+            if bad is not None:  # a byte that is not UTF-8 (Python keeps it as a lone surrogate): no text
+                raise ValueError(f"{flag}: not UTF-8 text (byte 0x{ord(value[bad]) - 0xdc00:02x} at character "
+                                 f"{bad + 1}): give it as UTF-8 (e.g. convert with iconv -f latin1 -t utf-8)")
         if p.task == "qa":
             if args.question is None or args.context is None:
                 raise ValueError("a QA model needs both --question and --context")
@@ -66,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             item = {"id": "0", "text": args.text}
             if args.text_pair is not None:
                 item["text_pair"] = args.text_pair
+            if p.pair is not None and (args.text_pair is not None) != p.pair:
+                raise ValueError(pair_mismatch(p.meta.get("task"), p.pair, flags=True))
             items_iter = iter([item])
         f = None
         name = "the command line"
@@ -83,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"input file {src} does not exist")
             f = open(src, encoding="utf-8", errors="surrogateescape")
             name = src
-        items_iter = read_items(f, name, fmt, p.task)
+        items_iter = read_items(f, name, fmt, p.task, pair=p.pair, task_name=p.meta.get("task"))
 
     lines: list[str] = []
     out = sys.stdout if args.output is None else None

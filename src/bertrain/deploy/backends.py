@@ -98,10 +98,41 @@ def load_torch_model(model_dir: Path, task: str) -> torch.nn.Module:
     return model
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """`device` (--device) as a torch.device; a name torch does not know is a `UserError`, not a traceback."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"--device {device}: not a device name; use cpu, cuda or cuda:N (the N-th GPU)") from None
+
+
+def check_torch_device(device: str | torch.device) -> torch.device:
+    """`device` checked usable by PyTorch before a model is moved there (which fails with an AssertionError or a
+    RuntimeError deep in torch): a missing GPU or a GPU index beyond the visible ones is one line naming --device."""
+    dev = parse_device(device)
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: PyTorch sees no CUDA GPU here (torch.cuda.is_available() is False: "
+                            "no GPU, no driver, CUDA_VISIBLE_DEVICES empty or a CPU-only torch); use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UserError(f"--device {device}: only {count} CUDA GPU(s) are visible (cuda:0"
+                            f"{f' to cuda:{count - 1}' if count > 1 else ''}); choose one of them")
+        return dev
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError):  # (torch's message lists every dispatch key: not one line)
+        raise UserError(f"--device {device}: this PyTorch build or machine cannot run on {dev.type}; use --device "
+                        "cpu or cuda") from None
+    return dev
+
+
 def onnx_providers(device: str | torch.device) -> list:
     """ONNX Runtime's execution providers for a torch-style device string ("cpu", "cuda", "cuda:1")."""
     ort = require("onnxruntime", "the ONNX Runtime backend")
-    dev = torch.device(device)
+    dev = parse_device(device)
     if dev.type == "cpu":
         return ["CPUExecutionProvider"]
     if dev.type == "cuda":
@@ -147,6 +178,7 @@ def open_backend(kind: str, model_dir: str | os.PathLike, task: str,
     outputs."""
     model_dir = Path(model_dir)
     if kind == "torch":
+        device = check_torch_device(device)  # before loading the model: a wrong --device fails at once
         backend: TorchBackend | OnnxRuntimeBackend = TorchBackend(load_torch_model(model_dir, task), device)
     elif kind == "onnxruntime":
         backend = OnnxRuntimeBackend(model_dir, device)

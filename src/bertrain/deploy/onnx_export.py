@@ -32,7 +32,7 @@ from bertrain.deploy import require
 from bertrain.deploy.backends import (INPUT_NAMES, ONNX_FILE, ONNX_META, OnnxRuntimeBackend, TorchBackend, output_names,
                                       task_of)
 from bertrain.deploy.predict import TASK_FILE
-from bertrain.model.hf import hf_config_dict
+from bertrain.model.hf import fit_model_max_length, hf_config_dict
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.utils.errors import UserError
 from bertrain.utils.io import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -138,18 +138,23 @@ def _quiet_exporter() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------------------------- verification
 
-def verification_batches(tok: Any) -> list[dict[str, np.ndarray]]:
+def verification_batches(tok: Any, max_length: int | None = None) -> list[dict[str, np.ndarray]]:
     """Real inputs: `SENTENCES` and `PAIRS` tokenised by the model's tokenizer (a `TaskTokenizer`), padded to the
-    longest of each batch, in batches of 1, 2, 3 and 5 rows (lengths from 3 to ~70 tokens)."""
+    longest of each batch, in batches of 1, 2, 3 and 5 rows (lengths from 3 to ~70 tokens with BERT's vocabulary,
+    more with a small one), cut to `max_length` (the model's positions: a 64-position model failed its export on
+    the longest pair)."""
     t = tok.tokenizer
     groups = [SENTENCES[:1], SENTENCES[1:3], PAIRS, SENTENCES, [SENTENCES[3]]]
     batches = []
     for group in groups:
         t.enable_padding(pad_id=tok.pad_id, pad_token="[PAD]")
+        if max_length is not None:
+            t.enable_truncation(max_length=max_length, strategy="longest_first")
         try:
             encs = t.encode_batch(group, add_special_tokens=True)
         finally:
             t.no_padding()
+            t.no_truncation()
         batches.append({"input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
                         "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
                         "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64)})
@@ -198,9 +203,11 @@ class OnnxFolder:
     Export and verification run inside the temporary folder: a failed check leaves nothing behind."""
 
     def __init__(self, model: nn.Module, source: Path, opset: int = OPSET, triton_name: str | None = None,
-                 tolerance: float = TOLERANCE) -> None:
+                 tolerance: float = TOLERANCE, task_file: bytes | None = None) -> None:
         self.model, self.source, self.opset = model, source, opset
         self.triton_name, self.tolerance = triton_name, tolerance
+        self.task_file = task_file
+        """task.json's bytes (`bertrain export` finds them for a step-N or best/ folder too); None: the source's."""
         self.max_abs_diff: float | None = None
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -208,16 +215,33 @@ class OnnxFolder:
         folder = root / self.triton_name / "1" if self.triton_name else root
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in self.model.tokenizer_files.items():
+            if name == "tokenizer_config.json":  # as the HF export: tokenizers truncate to the graph's positions
+                data = fit_model_max_length(data, self.model.config.max_position_embeddings)
             atomic_write_bytes(folder / name, data)
         if "vocab.txt" not in self.model.tokenizer_files:
             raise UserError(f"{self.source} has no vocab.txt: an exported model needs its tokenizer (and the "
                             "verification tokenises real text with it)")
         atomic_write_json(folder / "config.json", hf_config_dict(self.model))
-        if (self.source / TASK_FILE).is_file():
-            atomic_write_bytes(folder / TASK_FILE, (self.source / TASK_FILE).read_bytes())
+        task_file = self.task_file
+        if task_file is None and (self.source / TASK_FILE).is_file():
+            task_file = (self.source / TASK_FILE).read_bytes()
+        if task_file is not None:
+            atomic_write_bytes(folder / TASK_FILE, task_file)
         export_graph(self.model, folder / ONNX_FILE, self.opset)
-        batches = verification_batches(load_task_tokenizer(folder))
-        self.max_abs_diff = max_difference(self.model, folder, batches)
+        batches = verification_batches(load_task_tokenizer(folder), self.model.config.max_position_embeddings)
+        try:
+            self.max_abs_diff = max_difference(self.model, folder, batches)
+        except Exception as e:  # onnxruntime's own exception classes (Fail, InvalidGraph, ...): not RuntimeErrors
+            if not type(e).__module__.startswith("onnxruntime"):
+                raise
+            ort = require("onnxruntime", "ONNX export")
+            said = " ".join(str(e).split())
+            said = said if len(said) <= 240 else said[:240] + " ..."
+            advice = (f"use the default --opset {OPSET}" if self.opset != OPSET else
+                      "please report it with the model's config.json")
+            raise UserError(f"ONNX export of {self.source}: ONNX Runtime {ort.__version__} cannot run the opset "
+                            f"{self.opset} graph ({type(e).__name__}: {said}); nothing was written: {advice}") \
+                from None
         meta = {"format": "onnx", "opset": self.opset, "task": task_of(self.model),
                 "architecture": type(self.model).__name__,
                 "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in INPUT_NAMES},

@@ -31,10 +31,11 @@ from typing import Any, Iterable, Iterator, TextIO
 import numpy as np
 import torch
 
-from bertrain.deploy.backends import INPUT_NAMES, TASK_OUTPUTS, open_backend
+from bertrain.deploy.backends import INPUT_NAMES, TASK_OUTPUTS, open_backend, parse_device
 from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
 from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
+from bertrain.tasks.glue import TASKS as GLUE_TASKS
 from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
                                   postprocess_predictions)
 from bertrain.utils.errors import UserError
@@ -42,6 +43,8 @@ from bertrain.utils.errors import UserError
 log = logging.getLogger(__name__)
 
 TASK_FILE = "task.json"
+QA_DECODING = {"n_best_size": 20, "max_answer_length": 30, "null_score_diff_threshold": 0.0}
+"""SQuAD answer decoding: the defaults of fine-tuning's data config; task.json may say what its run used."""
 
 
 @dataclass
@@ -64,9 +67,7 @@ class Predictor:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
-        meta: dict[str, Any] = {}
-        if (self.model_dir / TASK_FILE).is_file():
-            meta = json.loads((self.model_dir / TASK_FILE).read_text(encoding="utf-8"))
+        meta = read_task_file(self.model_dir / TASK_FILE) if (self.model_dir / TASK_FILE).is_file() else {}
         cls = model_class_for(self.model_dir)
         if task is None:
             task = meta.get("kind") or ("qa" if cls is BertForQuestionAnswering
@@ -78,7 +79,7 @@ class Predictor:
                              "pass task='qa' or 'classification'")
         self.task = task
         self.meta = meta
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         # The forward pass only: tokenisation above it and post-processing below it are this class's, the same
         # for every backend.
         self.backend = open_backend(backend, self.model_dir, task, self.device)
@@ -87,7 +88,13 @@ class Predictor:
         self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task)
         self.labels: list[str] | None = meta.get("labels") or _named_labels(self.model_dir)
         self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
+        self.pair: bool | None = _pair_task(meta.get("task")) if task == "classification" else None
+        """True: the GLUE task task.json names reads sentence pairs (MRPC, RTE, ...); False: one sentence (SST-2,
+        CoLA); None: unknown (no task.json, or not a GLUE task): any input. `read_items` (the files and lines of
+        `bertrain predict`) refuses items that do not fit it; this API takes them as given."""
         self.throughput = Throughput()
+        if task == "qa":
+            self._squad_features = _squad_feature_config(self.max_seq_length, meta, max_seq_length is not None)
 
     # ------------------------------------------------------------------------------------------- forward
 
@@ -103,7 +110,10 @@ class Predictor:
             res = []
             for name in names:
                 a = out[name]
-                if a.ndim == 2 and a.shape[1] == length and length < L:
+                # QA's (B, T) logits only: a classifier's (B, num_labels) logits for a batch trimmed to as many
+                # tokens (a text of characters the tokenizer drops alone in the last batch: [CLS] [SEP], 2 tokens)
+                # were widened too, and joining them to the other batches failed
+                if self.task == "qa" and a.ndim == 2 and a.shape[1] == length and length < L:
                     a = np.concatenate([a, np.full((a.shape[0], L - length), -10000.0, np.float32)], axis=1)
                 res.append(a)
             outs.append(res)
@@ -111,11 +121,13 @@ class Predictor:
 
     # ------------------------------------------------------------------------------------------- QA
 
-    def predict_qa(self, items: list[dict[str, Any]], n_best_size: int = 20,
-                   max_answer_length: int = 30, null_score_diff_threshold: float = 0.0) -> list[dict[str, Any]]:
+    def predict_qa(self, items: list[dict[str, Any]], n_best_size: int | None = None,
+                   max_answer_length: int | None = None,
+                   null_score_diff_threshold: float | None = None) -> list[dict[str, Any]]:
         """Answer each {"question", "context"[, "id"]}: answer text, probability among the n-best, character span.
 
         For a SQuAD v2.0 model the answer is "" when the null score wins (`null_score_diff` says by how much).
+        The decoding settings not given are task.json's (those the run evaluated with), else 20, 30 and 0.0.
         """
         if self.task != "qa":
             raise ValueError(f"{self.model_dir} is a {self.task} model, not a QA model")
@@ -132,12 +144,21 @@ class Predictor:
             # may carry the same user id (their answers would be mixed). The user's id goes back on the output.
             examples.append(SquadExample(str(i), q, c, []))
         t0 = time.perf_counter()
-        # without task.json, Google's 64 question tokens, or half the window where the model's positions cap it
-        fcfg = SquadFeatureConfig(self.max_seq_length, int(self.meta.get("doc_stride", 128)),
-                                  int(self.meta.get("max_query_length", min(64, self.max_seq_length // 2))))
-        feats = build_features(examples, self.tok, fcfg, is_training=False)
+        fcfg = self._squad_features
+        try:
+            feats = build_features(examples, self.tok, fcfg, is_training=False)
+        except ValueError as e:  # "question id K: ...": K is the position in this call, not the user's id
+            m = re.fullmatch(r"question id (\d+): (.*)", str(e), flags=re.S)
+            if m is None:
+                raise
+            k = int(m[1])
+            raise ValueError(f"item {items[k].get('id', k)}: {m[2]} (it holds only characters the tokenizer "
+                             "drops: control, zero-width or unassigned ones)") from None
         start, end = self._forward(feats, TASK_OUTPUTS["qa"])
-        pcfg = SquadPostprocessConfig(n_best_size, max_answer_length, null_score_diff_threshold)
+        given = {"n_best_size": n_best_size, "max_answer_length": max_answer_length,
+                 "null_score_diff_threshold": null_score_diff_threshold}
+        pcfg = SquadPostprocessConfig(**{k: v if v is not None else self.meta.get(k, QA_DECODING[k])
+                                         for k, v in given.items()})
         preds, nbest, null_odds = postprocess_predictions(examples, feats, start, end, pcfg,
                                                           self.version_2_with_negative)
         self._count(len(items), time.perf_counter() - t0)
@@ -209,6 +230,66 @@ class Predictor:
         self.throughput.seconds += seconds
 
 
+def read_task_file(path: Path) -> dict[str, Any]:
+    """task.json, checked: a damaged one was a bare JSON message or an int() error naming neither the file nor the
+    key, and one that is not an object a traceback."""
+    fix = "fix it, or remove it (the head in config.json then decides the task, with the default lengths)"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}): {fix}") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(meta).__name__}: {fix}")
+    for key in ("max_seq_length", "doc_stride", "max_query_length", "n_best_size", "max_answer_length"):
+        value = meta.get(key)
+        if key in meta and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{path}: '{key}' must be a positive integer, got {value!r}: {fix}")
+    threshold = meta.get("null_score_diff_threshold")
+    if "null_score_diff_threshold" in meta and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+        raise UserError(f"{path}: 'null_score_diff_threshold' must be a number, got {threshold!r}: {fix}")
+    if meta.get("kind") is not None and meta["kind"] not in ("qa", "classification", "regression"):
+        raise UserError(f"{path}: 'kind' is {meta['kind']!r}, not qa, classification or regression: {fix}")
+    labels = meta.get("labels")
+    if labels is not None and (not isinstance(labels, list) or not all(isinstance(x, str) for x in labels)):
+        raise UserError(f"{path}: 'labels' must be a list of label names (strings), got {labels!r}: {fix}")
+    return meta
+
+
+def _pair_task(name: Any) -> bool | None:
+    """Whether the GLUE task `name` (task.json's "task") classifies sentence pairs; None for any other name. A pair
+    model given one sentence (or the reverse) answers, but with numbers that mean nothing: it is refused."""
+    task = GLUE_TASKS.get(name) if isinstance(name, str) else None
+    return None if task is None else task.dev.text_b is not None
+
+
+def pair_mismatch(name: Any, pair: bool, flags: bool = False) -> str:
+    """What to do when an item's text_pair does not fit the model's task (`Predictor.pair`); `flags`: said in
+    terms of --text / --text-pair."""
+    text, second = ("--text", "--text-pair") if flags else ("'text'", "'text_pair'")
+    if pair:
+        return (f"the model was fine-tuned on {name}, a sentence-pair task: give {text} and {second}"
+                + ("" if flags else " (TSV: text<TAB>text_pair)"))
+    return f"the model was fine-tuned on {name}, a single-sentence task: give {text} alone, without {second}"
+
+
+def _squad_feature_config(length: int, meta: dict[str, Any], requested: bool) -> SquadFeatureConfig:
+    """The QA windows: `length` tokens, task.json's stride and question length (without task.json, Google's 128
+    and 64 question tokens, or half the window where the model's positions cap it). Built when the model is
+    loaded: a --max-seq-length that leaves no room for the context failed at the first input (the server blamed
+    every request on its client, 422)."""
+    query = int(meta.get("max_query_length", min(64, length // 2)))
+    try:
+        return SquadFeatureConfig(length, int(meta.get("doc_stride", 128)), query)
+    except ValueError as e:
+        if not requested or query + 3 < length:
+            raise
+        given = "max_query_length in task.json" if "max_query_length" in meta else "half the window"
+        least = query + 4 if "max_query_length" in meta else 7
+        raise UserError(f"--max-seq-length {length} leaves no room for the context after the question (up to "
+                        f"{query} tokens: {given}) and 3 special tokens: use --max-seq-length {least} or more") \
+            from None
+
+
 def _named_labels(model_dir: Path) -> list[str] | None:
     """The label names config.json's id2label gives (a model fine-tuned with transformers, e.g. NEGATIVE/POSITIVE),
     None where it has none or only transformers' placeholders LABEL_0, LABEL_1, ... (then the indices are shown)."""
@@ -254,9 +335,12 @@ def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any]
 
 # ----------------------------------------------------------------------------------------------- input files
 
-def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, Any]]:
+def read_items(f: TextIO, name: str, fmt: str, task: str, pair: bool | None = None,
+               task_name: str | None = None) -> Iterator[dict[str, Any]]:
     """Items from JSONL (one object per line) or TSV (QA: question<TAB>context; classification:
     text[<TAB>text_pair]); blank lines are skipped; bad lines raise `ValueError` naming the file and line.
+    `pair` (`Predictor.pair`): True/False, a classification item must / must not have a text_pair (`task_name`
+    names the task in the error).
 
     An item without an "id" gets its position among the items, from 0 ("0", "1", ... in input order, as the
     reference scripts number examples); a JSON "id" is kept (as a string)."""
@@ -299,6 +383,8 @@ def read_items(f: TextIO, name: str, fmt: str, task: str) -> Iterator[dict[str, 
                 raise ValueError(f"{where}: a classification item needs a string 'text'")
             if pair_key and not isinstance(fields[pair_key], str):
                 raise ValueError(f"{where}: '{pair_key}' must be a string")
+            if pair is not None and (pair_key is not None) != pair:
+                raise ValueError(f"{where}: {pair_mismatch(task_name, pair)}")
         for key, value in fields.items():
             if not value.strip():
                 raise ValueError(f"{where}: '{key}' is empty")

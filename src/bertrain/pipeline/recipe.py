@@ -240,7 +240,18 @@ def pretrain_config(recipe: Recipe, phase: int, run_dir: Path, vocab_file: Path,
         pipeline["model"] = {"init": str(init)}
     sections = [("pretrain", recipe.pretrain), (f"phase{phase}", section)]
     pipeline.update(_tracking(recipe, sections, f"pretrain-phase{phase}"))
-    return engine_config(PretrainConfig, sections, pipeline)
+    cfg = engine_config(PretrainConfig, sections, pipeline)
+    if cfg.optim.init_state == PREVIOUS_PHASE:  # NVIDIA's phase 2: phase 1's moments, from its newest checkpoint
+        if phase == 1:
+            raise UserError(f"recipe key 'optim.init_state': {PREVIOUS_PHASE!r} (phase 1's optimizer moments) can only "
+                            "start phase 2: set it under phase2")
+        cfg.optim.init_state = str(run_dir / "pretrain-phase1")
+    return cfg
+
+
+PREVIOUS_PHASE = "phase1"
+"""The recipe value of `phase2.optim.init_state` that starts phase 2's optimizer from phase 1's moments (its stage's
+newest checkpoint), as NVIDIA's recipe does; unset, the moments start at zero."""
 
 
 # The one process group of `bertrain run` serves every stage, so the keys that create it cannot differ per stage.

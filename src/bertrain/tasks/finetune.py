@@ -223,6 +223,22 @@ def check_length_fits_model(init: str, max_seq_length: int) -> None:
 DevEval = Callable[[nn.Module, DistInfo, Precision], dict[str, float]]
 
 
+def squad_model_files(d: SquadDataConfig, v2: bool) -> dict[str, Any]:
+    """task.json of a SQuAD model (final/, best/): its windows and the answer decoding its dev scores used, so that
+    `bertrain predict` and `serve` answer as the run evaluated."""
+    return {"task.json": {"kind": "qa", "task": "squad", "version_2_with_negative": v2,
+                          "max_seq_length": d.max_seq_length, "doc_stride": d.doc_stride,
+                          "max_query_length": d.max_query_length, "n_best_size": d.n_best_size,
+                          "max_answer_length": d.max_answer_length,
+                          "null_score_diff_threshold": d.null_score_diff_threshold}}
+
+
+def glue_model_files(task: Any, max_seq_length: int) -> dict[str, Any]:
+    """task.json of a GLUE model (final/, best/): label names and the sequence length, for predict and serve."""
+    return {"task.json": {"kind": "regression" if task.is_regression else "classification", "task": task.name,
+                          "labels": list(task.labels) if task.labels else None, "max_seq_length": max_seq_length}}
+
+
 class FeatureTask:
     """Fine-tuning on in-memory features: span extraction ("qa") or sequence classification/regression. `dev`
     scores a model on the dev set (the Trainer's evaluation while training); None: no dev evaluation."""
@@ -231,8 +247,11 @@ class FeatureTask:
 
     def __init__(self, name: str, kind: str, init: str, feats: dict[str, np.ndarray], seed: int,
                  num_labels: int = 2, labels: tuple[str, ...] | None = None, dev: DevEval | None = None,
-                 metric_names: tuple[str, ...] | None = None) -> None:
+                 metric_names: tuple[str, ...] | None = None, model_files: dict[str, Any] | None = None) -> None:
         self.name, self.kind, self.init, self.seed, self.num_labels = name, kind, init, seed, num_labels
+        self.model_files = model_files or {}
+        """{name: JSON} written beside the weights of every model folder the run keeps (final/, best/): task.json,
+        the settings `bertrain predict` and `serve` read."""
         self.labels = labels
         self.arrays = {k: feats[k] for k in (QA_KEYS if kind == "qa" else CLS_KEYS)}
         self.dev = dev
@@ -443,7 +462,8 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
             examples, feats = features(train_path, True)
             run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed, dev=dev,
-                                                     metric_names=metric_names if dev else None),
+                                                     metric_names=metric_names if dev else None,
+                                                     model_files=squad_model_files(d, v2)),
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
@@ -486,9 +506,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
 
         def export() -> None:
             if cfg.checkpoint.export_final and cfg.do_train:
-                ckpt.export_final(out_dir, model, {"task.json": {
-                    "kind": "qa", "task": "squad", "version_2_with_negative": v2, "max_seq_length": d.max_seq_length,
-                    "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}})
+                ckpt.export_final(out_dir, model, squad_model_files(d, v2))
 
         on_rank0("export the final model", export, long=True)
         on_rank0("record the config", functools.partial(_record_eval_config, cfg, out_dir))
@@ -550,7 +568,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 dev = functools.partial(glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
                                         task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
-                                                     task.labels, dev, glue_metric_names(task.name)),
+                                                     task.labels, dev, glue_metric_names(task.name),
+                                                     glue_model_files(task, d.max_seq_length)),
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
@@ -599,9 +618,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
             atomic_write_json(out_dir / "eval_results.json", results)
             if cfg.checkpoint.export_final and cfg.do_train:
                 # label names and feature settings for `bertrain predict` / `Predictor`
-                ckpt.export_final(out_dir, model, {"task.json": {
-                    "kind": "regression" if task.is_regression else "classification", "task": task.name,
-                    "labels": list(task.labels) if task.labels else None, "max_seq_length": d.max_seq_length}})
+                ckpt.export_final(out_dir, model, glue_model_files(task, d.max_seq_length))
 
         on_rank0("write the results and the final model", finish, long=True)
         on_rank0("record the config", functools.partial(_record_eval_config, cfg, out_dir))

@@ -55,7 +55,8 @@ class ModelConfig:
     preset: str = "tiny"
     """Model preset (tiny, mini, small, medium, base, large) or the path of an HF/Google config.json."""
     init: Optional[str] = None
-    """Initialise the weights from this checkpoint or HF folder (weights only: phase 2 starts from phase 1)."""
+    """Initialise the weights from this checkpoint or HF folder (weights only: phase 2 starts from phase 1; the
+    optimizer's moments too with optim.init_state, as NVIDIA's phase 2)."""
     dropout: Optional[float] = None
     """Override both hidden and attention dropout probabilities (e.g. 0 for exact equivalence tests)."""
     max_position_embeddings: Optional[int] = None
@@ -351,7 +352,8 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
                              f"data's vocabulary has {vocab_size} entries")
-        log.info("initialised weights from %s (weights only; optimizer and schedule start fresh)", m.init)
+        log.info("initialised weights from %s (weights only; the schedule starts fresh, and the optimizer's moments %s)",
+                 m.init, f"come from optim.init_state" if cfg.optim.init_state else "start at zero")
     else:
         if m.preset.endswith(".json") or Path(m.preset).is_file():
             config = config_from_json_file(m.preset)

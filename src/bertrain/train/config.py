@@ -57,6 +57,13 @@ class OptimConfig:
     """Linear LR scaling: lr * global_batch_size / base_batch_size (off by default: it hurt in the reports)."""
     base_batch_size: int = 256
     """Global batch size that `lr` was tuned for (used only with scale_lr_with_batch)."""
+    init_state: Optional[str] = None
+    """A checkpoint folder of an earlier run (OUTPUT/step-N, DDP or FSDP; or its run folder OUTPUT: the newest
+    complete checkpoint) whose optimizer moments this run starts from, as NVIDIA's BERT phase 2 continues phase 1's LAMB moments. Its step counters start at 0 (so Adam's bias
+    correction starts over, as there), and lr, betas, weight decay and the schedule are this run's. The same
+    optimizer and the same parameters are required; the weights still come from the model's own init (pretraining:
+    model.init). Unset (the default, as Google's and HF's scripts): the moments start at zero. A resumed run takes
+    the moments of its own checkpoint instead."""
 
     def __post_init__(self) -> None:
         check_all([

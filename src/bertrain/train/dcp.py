@@ -164,6 +164,46 @@ def load_model_and_optimizer(path: str | Path, train_state: dict[str, Any], mode
                                  options=full)
 
 
+def load_optimizer_moments(path: str | Path, train_state: dict[str, Any], model: nn.Module,
+                           optimizer: torch.optim.Optimizer) -> int:
+    """Start `optimizer` from the moments of another run's checkpoint (`optim.init_state`): its per-parameter state
+    with every step counter set to 0, under this optimizer's own hyperparameters (lr, betas, the schedule's
+    initial_lr). Any combination of DCP / DDP checkpoint and FSDP / plain model, as `load_model_and_optimizer`;
+    collective under FSDP or for a DCP checkpoint. Returns the number of parameters whose state was loaded."""
+    path = Path(path)
+    own_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # full shapes, also of FSDP's sharded DTensors
+    if is_sharded_checkpoint(path):
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # a fresh optimizer's, filled: the keys
+        try:
+            torch_dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not is_distributed())
+        except torch_dcp.CheckpointException as e:
+            raise ValueError(f"its optimizer state does not fit this model's parameters: {e}") from None
+        by_name = state["optimizer"]
+    else:
+        if "optimizer" not in train_state:
+            raise ValueError("it holds no optimizer state")
+        by_name = optimizer_state_by_name(model, optimizer, train_state["optimizer"])
+        for name, st in by_name["state"].items():
+            for key, value in st.items():
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shapes[name]:
+                    raise ValueError(f"its {key} of {name} has shape {tuple(value.shape)}, this model's parameter "
+                                     f"{shapes[name]}")
+    for st in by_name["state"].values():
+        if "step" in st:  # a tensor (torch's AdamW, LAMB) or a number
+            st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
+    by_name["param_groups"] = [{**own, "params": g["params"]} for own, g in zip(own_groups, by_name["param_groups"])]
+    if isinstance(model, FSDPModule) or is_sharded_checkpoint(path):
+        set_optimizer_state_dict(model, optimizer, by_name,
+                                 options=StateDictOptions(full_state_dict=not is_sharded_checkpoint(path)))
+    else:  # by name back to by position: the form `load_state_dict` takes
+        index = {n: i for i, n in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
+        optimizer.load_state_dict({
+            "state": {index[n]: st for n, st in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]})
+    return len(by_name["state"])
+
+
 def plain_class(model: nn.Module) -> type:
     """The model's own class (FSDP2 makes a subclass of it)."""
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))

@@ -153,6 +153,8 @@ class Evaluator:
         def write() -> None:
             with atomic_dir(self.out / BEST, overwrite=True) as tmp:
                 ckpt.save_model(model, tmp)
+                for name, content in getattr(self.task, "model_files", {}).items():  # e.g. task.json, as final/
+                    atomic_write_json(tmp / name, content)
                 atomic_write_json(tmp / BEST_JSON, info)
 
         on_rank0(f"write the best model (step {step})", write, long=True)

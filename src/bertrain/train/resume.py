@@ -11,6 +11,8 @@
   schedule, steps, batch, model, data, seed, precision) are refused, all listed old -> new, unless
   `--allow-config-change`: then the new optimizer hyperparameters are applied and the schedule is recomputed for
   the new length at the step reached (the trainer records the changes in metrics.jsonl).
+* `init_optimizer_state`: a new run whose optimizer starts from another run's moments (`optim.init_state`: NVIDIA's
+  phase 2 continuing phase 1's LAMB moments).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from typing import Any, Iterator, Mapping
 from bertrain.config import flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig
-from bertrain.train.dcp import load_model_and_optimizer
-from bertrain.train.distributed import DistInfo, describe_ranks, gather_objects, on_rank0
+from bertrain.train.dcp import load_model_and_optimizer, load_optimizer_moments
+from bertrain.train.distributed import DistInfo, describe_ranks, gather_objects, on_rank0, same_paths_on_every_rank
 from bertrain.train.states import Stateful, load_entries
 from bertrain.utils.errors import UserError
 from bertrain.utils.rundir import OutputLock, claim_run_folder, read_run
@@ -257,3 +259,43 @@ def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: Traine
     log.info("resumed from %s at step %d (epoch %d, %d samples)", path, ts["state"]["step"], ts["state"]["epoch"],
              ts["state"]["samples"])
     return changes
+
+
+def init_optimizer_state(cfg: TrainerConfig, model: Any, optimizer: Any, dist: DistInfo) -> None:
+    """`optim.init_state`: start a new run's optimizer from the moments of another run's checkpoint (see its
+    docstring in train/config.py). Rank 0 checks the folder; collective: every rank calls it."""
+    key = f"config key 'optim.init_state': {cfg.optim.init_state}"
+    given = Path(cfg.optim.init_state)
+
+    def check() -> str:
+        path = given
+        if not path.is_dir():
+            raise UserError(f"{key} does not exist (give a checkpoint folder OUTPUT/step-N of the earlier run)")
+        if not (path / ckpt.TRAIN_STATE).is_file() and ckpt.list_checkpoints(path):  # a run folder: its newest
+            newest = ckpt.latest_checkpoint(path)
+            if newest is None:
+                raise UserError(f"{key}: none of its checkpoints is complete and intact")
+            path = newest
+        if not (path / ckpt.TRAIN_STATE).is_file():
+            raise UserError(f"{key} holds no optimizer state (no {ckpt.TRAIN_STATE}: an exported model folder?): give "
+                            "a checkpoint folder OUTPUT/step-N of the earlier run")
+        problem = ckpt.verify_checkpoint(path)
+        if problem:
+            raise UserError(f"{key}: {problem}")
+        try:
+            saved = flatten(to_dict(load_file(path / "config.yaml"))).get("optim.name")
+        except (OSError, ValueError):
+            saved = None
+        if saved is not None and saved != cfg.optim.name:
+            raise UserError(f"{key} holds {saved} moments, this run's optimizer is {cfg.optim.name}: set optim.name: "
+                            f"{saved}, or leave optim.init_state unset to start the moments at zero")
+        return str(path)
+
+    path = Path(on_rank0("check optim.init_state", check))
+    same_paths_on_every_rank({"optim.init_state": str(path)})
+    try:
+        n = load_optimizer_moments(path, ckpt.load_train_state(path), model, optimizer)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"{key}: {e}") from None
+    log.info("optimizer moments of %d parameters from %s (optim.init_state); step counters start at 0, lr and "
+             "schedule are this run's", n, path)

@@ -60,7 +60,7 @@ from bertrain.train.optim import build_optimizer
 from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model, is_sharded, meta_copy
 from bertrain.train.precision import Precision
 from bertrain.train.profiling import StepProfiler
-from bertrain.train.resume import find_resume_checkpoint, restore
+from bertrain.train.resume import find_resume_checkpoint, init_optimizer_state, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
 from bertrain.train.trackers import TrackerIds, Trackers, open_trackers
@@ -182,6 +182,8 @@ class Trainer:
         if start is not None:
             changes = restore(start, states, dist, cfg, plan, allow_config_change)
         else:
+            if cfg.optim.init_state:  # another run's moments (NVIDIA's phase 2); a resume has its own
+                init_optimizer_state(cfg, model, optimizer, dist)
             loader.set_epoch(0)
         ddp_model = model if dims.fsdp_enabled else wrap_model(model, dist, cfg.distributed)
         if dist.is_main:
