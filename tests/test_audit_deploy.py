@@ -362,3 +362,25 @@ def test_a_last_batch_as_short_as_the_number_of_classes_is_classified(tmp_path):
     items = [{"text": "the film is good ."}, {"text": "a bad movie ."}, {"text": "\u200b\u200b"}]
     small, whole = Predictor(cola, batch_size=2).predict(items), Predictor(cola, batch_size=4).predict(items)
     assert [r["label"] for r in small] == [r["label"] for r in whole] and len(small) == 3
+
+
+@pytest.mark.parametrize("settings", [{"strip_accents": False}, {"strip_accents": True, "do_lower_case": False},
+                                      {"tokenize_chinese_chars": False}])
+def test_the_basic_tokenizer_settings_of_tokenizer_config_are_those_of_transformers(minilm_path, tmp_path, settings):
+    """strip_accents and tokenize_chinese_chars in tokenizer_config.json were ignored: an uncased model saved with
+    strip_accents false (accents kept) got other ids than in transformers."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from bertrain.tasks.common import load_task_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(minilm_path / "vocab.txt", folder / "vocab.txt")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True, **settings,
+                                                              "tokenizer_class": "BertTokenizer"}))
+    texts = ["Café déjà vu", "Ǆ ß İstanbul ﬁ", "東京 and 北京", "naïve Ärger"]
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = load_task_tokenizer(folder)
+    assert [e.ids for e in ours.encode_plain(texts)] == [hf(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert ours.identity != load_task_tokenizer(minilm_path).identity

@@ -47,6 +47,23 @@ def read_do_lower_case(model_dir: str | os.PathLike) -> bool:
     return bool(data.get("do_lower_case", True))
 
 
+def _basic_tokenizer_settings(model_dir: Path) -> tuple[bool | None, bool]:
+    """`strip_accents` (None: as lowercasing) and `tokenize_chinese_chars` from tokenizer_config.json, as
+    transformers' BertTokenizer reads them: a model saved with strip_accents false (lowercased, accents kept) was
+    tokenized otherwise than in transformers."""
+    cfg = model_dir / "tokenizer_config.json"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg}: not valid JSON: {e}") from None
+    data = data if isinstance(data, dict) else {}
+    strip, chinese = data.get("strip_accents"), data.get("tokenize_chinese_chars", True)
+    for key, value in (("strip_accents", strip), ("tokenize_chinese_chars", chinese)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{cfg}: '{key}' must be true, false or null, got {value!r}")
+    return strip, chinese is not False
+
+
 def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None = None) -> TaskTokenizer:
     """The tokenizer of an HF-format model folder (or bertrain checkpoint folder): vocab.txt + do_lower_case.
 
@@ -72,8 +89,9 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
             do_lower_case = lower  # the casing its normalizer applies
     if do_lower_case is None:
         do_lower_case = read_do_lower_case(model_dir)
-    wp = BertWordPieceTokenizer(source, lowercase=do_lower_case, strip_accents=None, clean_text=True,
-                                handle_chinese_chars=True)
+    strip_accents, chinese = _basic_tokenizer_settings(model_dir)
+    wp = BertWordPieceTokenizer(source, lowercase=do_lower_case, strip_accents=strip_accents, clean_text=True,
+                                handle_chinese_chars=chinese)
     tok = wp._tokenizer  # the underlying `tokenizers.Tokenizer`
     ids = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]")}
     missing = [t for t, i in ids.items() if i is None]
@@ -81,6 +99,8 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
         raise ValueError(f"{vocab}: special tokens {missing} are not in the vocabulary")
     h = hashlib.sha256(vocab_bytes)
     h.update(f"lower={do_lower_case}".encode())
+    if strip_accents is not None or not chinese:  # (the defaults keep the identities, and caches, of before)
+        h.update(f"strip_accents={strip_accents},chinese={chinese}".encode())
     return TaskTokenizer(tokenizer=tok, identity=h.hexdigest(), cls_id=ids["[CLS]"], sep_id=ids["[SEP]"],
                          pad_id=ids["[PAD]"], do_lower_case=do_lower_case)
 
