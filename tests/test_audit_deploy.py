@@ -384,3 +384,21 @@ def test_the_basic_tokenizer_settings_of_tokenizer_config_are_those_of_transform
     ours = load_task_tokenizer(folder)
     assert [e.ids for e in ours.encode_plain(texts)] == [hf(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert ours.identity != load_task_tokenizer(minilm_path).identity
+
+
+def test_serve_refuses_one_sentence_for_a_pair_model_naming_the_item(mrpc_like):
+    """The API (and `serve`) classified one sentence with a sentence-pair model: a label that means nothing."""
+    pytest.importorskip("fastapi", reason="needs the deploy extra: pip install 'bertrain[deploy]'")
+    from fastapi.testclient import TestClient
+
+    from bertrain.deploy.config import ServeConfig
+    from bertrain.deploy.predict import Predictor
+    from bertrain.deploy.server import create_app
+
+    with TestClient(create_app(Predictor(mrpc_like), ServeConfig())) as c:
+        ok = c.post("/predict", json={"text": "a cat sat .", "text_pair": "the cat sat ."})
+        assert ok.status_code == 200 and ok.json()["label"] in ("equivalent", "not_equivalent", "0", "1")
+        bad = c.post("/predict", json=[{"text": "a", "text_pair": "b"}, {"text": "alone", "id": "q7"}])
+        assert bad.status_code == 422
+        assert bad.json()["error"] == "item 1: the model was fine-tuned on mrpc, a sentence-pair task: give 'text' " \
+                                      "and 'text_pair'"

@@ -226,9 +226,13 @@ def test_real_minilm_short_mrpc_finetune_and_predict(tmp_path, minilm_path, caps
     # the exported model predicts with the task's label names, from the Python API
     from bertrain.deploy.predict import Predictor
     p = Predictor(out / "final")
-    recs = p.predict([{"text": "The cat sat.", "text_pair": "A cat was sitting."}, {"text": "Hello there."}])
+    recs = p.predict([{"text": "The cat sat.", "text_pair": "A cat was sitting."},
+                      {"text": "Hello there.", "text_pair": "Hi."}])
     assert [r["label"] in ("0", "1") for r in recs] == [True, True]
     assert all(abs(sum(r["probabilities"].values()) - 1) < 1e-5 for r in recs)
+    # MRPC reads sentence pairs: one sentence alone would get a label that means nothing
+    with pytest.raises(ValueError, match="^item 1: the model was fine-tuned on mrpc, a sentence-pair task"):
+        p.predict([{"text": "The cat sat.", "text_pair": "A cat was sitting."}, {"text": "Hello there."}])
 
 
 # ----------------------------------------------------------------------------------------------- predict

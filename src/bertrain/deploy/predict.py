@@ -90,8 +90,8 @@ class Predictor:
         self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
         self.pair: bool | None = _pair_task(meta.get("task")) if task == "classification" else None
         """True: the GLUE task task.json names reads sentence pairs (MRPC, RTE, ...); False: one sentence (SST-2,
-        CoLA); None: unknown (no task.json, or not a GLUE task): any input. `read_items` (the files and lines of
-        `bertrain predict`) refuses items that do not fit it; this API takes them as given."""
+        CoLA); None: unknown (no task.json, or not a GLUE task): any input. Items that do not fit it are refused:
+        by `read_items` naming the file and line, here (the API, `serve`: a 422) naming the item."""
         self.throughput = Throughput()
         if task == "qa":
             self._squad_features = _squad_feature_config(self.max_seq_length, meta, max_seq_length is not None)
@@ -190,6 +190,8 @@ class Predictor:
                 raise ValueError(f"item {it.get('id', i)}: empty or missing 'text'")
             if b is not None and (not isinstance(b, str) or not b.strip()):
                 raise ValueError(f"item {it.get('id', i)}: 'text_pair' is empty")
+            if self.pair is not None and (b is not None) != self.pair:  # an answer whose numbers mean nothing
+                raise ValueError(f"item {it.get('id', i)}: {pair_mismatch(self.meta.get('task'), self.pair, tsv=False)}")
             inputs.append((a, b) if b is not None else a)
         t0 = time.perf_counter()
         t = self.tok.tokenizer
@@ -262,13 +264,13 @@ def _pair_task(name: Any) -> bool | None:
     return None if task is None else task.dev.text_b is not None
 
 
-def pair_mismatch(name: Any, pair: bool, flags: bool = False) -> str:
+def pair_mismatch(name: Any, pair: bool, flags: bool = False, tsv: bool = True) -> str:
     """What to do when an item's text_pair does not fit the model's task (`Predictor.pair`); `flags`: said in
-    terms of --text / --text-pair."""
+    terms of --text / --text-pair; `tsv`: mention the TSV layout (input files)."""
     text, second = ("--text", "--text-pair") if flags else ("'text'", "'text_pair'")
     if pair:
         return (f"the model was fine-tuned on {name}, a sentence-pair task: give {text} and {second}"
-                + ("" if flags else " (TSV: text<TAB>text_pair)"))
+                + ("" if flags or not tsv else " (TSV: text<TAB>text_pair)"))
     return f"the model was fine-tuned on {name}, a single-sentence task: give {text} alone, without {second}"
 
 
