@@ -1,6 +1,8 @@
 """Pretraining samples and the loader: statistics, structure, modes, determinism across ranks, exact resume."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -9,10 +11,11 @@ import pytest
 import torch
 
 from bertrain.data.prepare import PrepareConfig, prepare
-from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader
-from bertrain.data.samples import (_BLOCK_DOMAIN, SampleConfig, _uniform, build_blocks, find_static, sample_from_record,
-                                   sample_keys, sample_record)
-from bertrain.data.store import TokenStore
+from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader, rows_to_batch
+from bertrain.data.samples import (_BLOCK_DOMAIN, NSP_NONE, ROW_HEADER, InstanceBuilder, SampleConfig, _uniform,
+                                   build_blocks, find_static, sample_from_record, sample_keys, sample_record,
+                                   static_dir_name)
+from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
 from bertrain.data.tokenizer import read_vocab
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -155,19 +158,41 @@ def test_mlm_only_packing(prepared, split):
     assert torch.all(b["token_type_ids"] == 0)
     sep = read_vocab(VOCAB).index("[SEP]")
     unmasked, L = _unmasked_rows(b)
-    assert torch.all((unmasked == sep).sum(1) == 1) and torch.all(unmasked[torch.arange(len(L)), L - 1] == sep)
-    assert L.max() <= T
+    assert torch.all(unmasked[torch.arange(len(L)), L - 1] == sep) and L.max() <= T
     frac = (b["masked_labels"] != -100).sum() / L.sum()
     assert 0.13 < frac < 0.16
     store = TokenStore(prepared)
+    # A [SEP] between the documents a row crosses (RoBERTa FULL-SENTENCES): each one just before the first token of
+    # a document, never at a row's edge; a boundary at a row's edge has the row's [CLS] / final [SEP] instead.
+    boundaries = set(np.asarray(store.sentence_starts)[np.asarray(store.document_starts)[1:-1]].tolist())
+    builder = ds._get_builder()
+    blocks = builder.blocks
+    if split:  # windows of the stream: a stream position less the separators before it is a token offset
+        first_token = blocks[:, 0] - np.searchsorted(builder.separators, blocks[:, 0])
+    else:
+        first_token = np.asarray(store.sentence_starts)[blocks[:, 0]]
+    inner_seps = 0
+    for i in range(len(L)):
+        row = unmasked[i, 1:L[i] - 1].numpy()
+        is_sep = row == sep
+        assert not is_sep[0] and not is_sep[-1] and not (is_sep[1:] & is_sep[:-1]).any()
+        offsets = int(first_token[i]) + np.concatenate([[0], np.cumsum(~is_sep)[:-1]])  # token offset of each
+        assert set(offsets[is_sep].tolist()) <= boundaries  # (a separator: the offset of the token after it)
+        assert not boundaries & (set(offsets[~is_sep][1:].tolist()) - set(offsets[is_sep].tolist()))
+        inner_seps += int(is_sep.sum())
+    assert inner_seps > 20  # rows do cross documents here: the property was really exercised
+    sep_count = (unmasked == sep).sum(1)
+    assert torch.all(sep_count >= 1) and (sep_count > 1).any()
     body = torch.cat([unmasked[i, 1:L[i] - 1] for i in range(len(L))]).numpy()
-    if split:  # the rows, [CLS] and [SEP] taken off, are the corpus itself in order: nothing dropped or repeated
+    body = body[body != sep]
+    if split:  # the rows, [CLS] and [SEP]s taken off, are the corpus itself in order: nothing dropped or repeated
         np.testing.assert_array_equal(body, store.tokens_at(np.arange(store.num_tokens)))
+        assert inner_seps == len(boundaries - set(first_token.tolist()))  # one per boundary not at a row's start
     else:  # a sentence longer than a block is cut to it, and its rest dropped
         assert 0.8 * store.num_tokens < len(body) < store.num_tokens
     full = (L == T).float().mean().item()
-    if split:  # every window full but the short-target ones (10%) and the last
-        assert 0.85 < full < 0.95 and L.float().mean() > 0.93 * T
+    if split:  # every window full but the short-target ones (10%), the last and a few that end at a document
+        assert 0.82 < full < 0.95 and L.float().mean() > 0.92 * T
         # windows cut sentences: some row starts inside a sentence
         starts = np.asarray(ds._get_builder().blocks[:, 0])
         assert not np.isin(starts, store.sentence_starts).all()
@@ -177,10 +202,121 @@ def test_mlm_only_packing(prepared, split):
         assert np.isin(starts, store.sentence_starts).all()
 
 
-def test_packing_without_short_targets_fills_every_window(prepared):
-    ds = PretrainingDataset(prepared, SampleConfig(T, P, next_sentence=False, short_seq_prob=0.0), masking="dynamic")
+OFFSET = 1000  # positional store: ids below are specials; corpus token p has id OFFSET + p
+
+
+@pytest.fixture(scope="module")
+def positional(tmp_path_factory) -> Path:
+    """A store whose every token id is its own corpus position (id = OFFSET + position), so each token of a row says
+    where in the corpus it came from: 400 documents of 1-5 sentences of 2-29 tokens (short documents: many rows
+    cross several). Every third position is a "##" piece, for whole-word masking."""
+    rng = np.random.default_rng(11)
+    counts = rng.integers(1, 6, 400)
+    lengths = rng.integers(2, 30, int(counts.sum()))
+    n_tokens = int(lengths.sum())
+    vocab_size = OFFSET + n_tokens
+    out = tmp_path_factory.mktemp("positional")
+    (out / "shards").mkdir()
+    w = ShardWriter(out / "shards" / "shard-00000.bts", token_dtype(vocab_size))
+    w.add(OFFSET + np.arange(n_tokens), lengths, counts)
+    info = w.close()
+    meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer_identity": "positional-test",
+            "do_lower_case": True, "vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name,
+            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+            "subword_ids": [OFFSET + q for q in range(1, n_tokens, 3)],
+            "shards": [info], "num_tokens": n_tokens, "num_sentences": len(lengths), "num_documents": len(counts)}
+    (out / "store.json").write_text(json.dumps(meta), encoding="utf-8")
+    (out / "stats.json").write_text("{}", encoding="utf-8")  # marks the folder complete
+    return out
+
+
+@pytest.mark.parametrize("wwm", [False, True])
+@pytest.mark.parametrize("split", [True, False])
+def test_packed_rows_separate_documents_like_roberta(positional, split, wwm):
+    """RoBERTa FULL-SENTENCES: a row that crosses a document boundary holds a [SEP] exactly between the last token
+    of one document and the first of the next; the separator takes a slot, is never masked, and the number of
+    predictions is the reference's min(P, max(1, round(len * masked_lm_prob))) with len the row without its
+    separators ([CLS] + corpus tokens + [SEP], the reference's len(tokens))."""
+    Tp, Pp, prob = 64, 10, 0.15
+    store = TokenStore(positional)
+    sample = SampleConfig(Tp, Pp, masked_lm_prob=prob, short_seq_prob=0.3, next_sentence=False,
+                          split_sentences=split, whole_word_masking=wwm)
+    builder = InstanceBuilder(store, sample, 7)
+    n = builder.n_blocks
+    assert n >= 256  # the builder's width classes are used
+    ss, ds = np.asarray(store.sentence_starts), np.asarray(store.document_starts)
+    doc_of_token = np.repeat(np.arange(store.num_documents), np.diff(ss[ds]))
+    covered = []
+    crossing = 0
+    for epoch in (0, 1):
+        rows = builder.build(epoch, np.arange(n))
+        b = rows_to_batch(rows, sample)
+        unmasked, L = _unmasked_rows(b)
+        ids, labels = b["input_ids"].numpy(), b["masked_labels"].numpy()
+        assert np.all(rows[:, 0] <= Tp) and np.all(rows[:, 1] == rows[:, 0]) and np.all(rows[:, 2] == NSP_NONE)
+        assert torch.all(b["token_type_ids"] == 0) and torch.all(b["next_sentence_labels"] == -100)
+        for i in range(n):
+            row = unmasked[i, :L[i]].numpy()
+            assert row[0] == 2 and row[-1] == 3
+            body = row[1:-1]
+            is_sep = body == 3
+            assert np.all(is_sep | (body >= OFFSET))  # tokens and separators only
+            # never [CLS] [SEP], [SEP] [SEP] (at either end or inside)
+            assert not is_sep[0] and not is_sep[-1] and not (is_sep[1:] & is_sep[:-1]).any()
+            tok = body[~is_sep] - OFFSET
+            assert np.all(np.diff(tok) == 1)  # consecutive corpus text (whole sentences: also none cut inside)
+            # a separator exactly where the document changes, and nowhere else
+            before_sep = np.flatnonzero(is_sep) - np.arange(is_sep.sum()) - 1  # index in tok of the token before
+            changes = np.flatnonzero(np.diff(doc_of_token[tok]) != 0)
+            np.testing.assert_array_equal(before_sep, changes)
+            assert np.all(doc_of_token[tok[changes] + 1] == doc_of_token[tok[changes]] + 1)
+            assert np.all(ss[ds[doc_of_token[tok[changes] + 1]]] == tok[changes] + 1)  # the next document's first
+            crossing += len(changes) > 0
+            # separators are never masked; the prediction count is on the row without them
+            valid = labels[i] != -100
+            masked = b["masked_positions"][i].numpy()[valid]
+            assert not np.isin(masked, 1 + np.flatnonzero(is_sep)).any() and not np.isin(labels[i][valid], [2, 3]).any()
+            assert np.all(ids[i][1 + np.flatnonzero(is_sep)] == 3)
+            want = min(Pp, max(1, round((int(L[i]) - int(is_sep.sum())) * prob)))
+            assert valid.sum() == want if not wwm else valid.sum() <= want  # (a word may not fit)
+            if epoch == 0:
+                covered.append(tok)
+    assert crossing > n  # most rows cross a document boundary here: the property was really exercised
+    if split:  # the windows cover every token of the corpus exactly once, in order
+        np.testing.assert_array_equal(np.concatenate(covered), np.arange(store.num_tokens))
+
+
+# sha256 of the int64 rows of epochs 0 and 1 of every block of the positional store (T 64, P 10, short_seq_prob 0.3,
+# seed 7), split_sentences x whole_word_masking, computed by the code before document separators existed.
+ROWS_BEFORE_SEPARATORS = {(True, False): "e62145b16aa9c7c4", (True, True): "26f20e75ba3fbce5",
+                          (False, False): "b88ef007c22b3437", (False, True): "2506a8cd58635322"}
+
+
+@pytest.mark.parametrize("split,wwm", sorted(ROWS_BEFORE_SEPARATORS))
+def test_packing_without_document_separators_gives_the_rows_of_before(positional, split, wwm):
+    store = TokenStore(positional)
+    digests = {}
+    for separator in (False, True):
+        sample = SampleConfig(64, 10, short_seq_prob=0.3, next_sentence=False, split_sentences=split,
+                              whole_word_masking=wwm, document_separator=separator)
+        builder = InstanceBuilder(store, sample, 7)
+        rows = np.concatenate([builder.build(e, np.arange(builder.n_blocks)) for e in (0, 1)])
+        digests[separator] = hashlib.sha256(rows.astype(np.int64).tobytes()).hexdigest()[:16]
+    assert digests[False] == ROWS_BEFORE_SEPARATORS[split, wwm]
+    assert digests[True] != digests[False]
+
+
+@pytest.mark.parametrize("separator", [True, False])
+def test_packing_without_short_targets_fills_every_window(prepared, separator):
+    ds = PretrainingDataset(prepared, SampleConfig(T, P, next_sentence=False, short_seq_prob=0.0,
+                                                   document_separator=separator), masking="dynamic")
     L = ds.get_batch(0, np.arange(len(ds)))["attention_mask"].sum(1)
-    assert torch.all(L[:-1] == T) and 2 < L[-1] <= T
+    if not separator:
+        assert torch.all(L[:-1] == T) and 2 < L[-1] <= T
+    else:  # a window that starts or ends at a document boundary leaves that separator out (the row's own marks it)
+        blocks = ds._get_builder().blocks
+        assert torch.equal(L, torch.from_numpy(blocks[:, 1] - blocks[:, 0] + 2))
+        assert torch.all(L[:-1] >= T - 2) and (L[:-1] == T).float().mean() > 0.9
 
 
 def test_static_instances_are_dynamic_epochs_materialised(prepared):
@@ -328,23 +464,26 @@ def _greedy_blocks_reference(store: TokenStore, cfg: SampleConfig, targets: np.n
                 s = e
     else:
         doc_of = np.repeat(np.arange(len(ds) - 1), np.diff(ds)).tolist()
+
+        def sep(e: int) -> int:  # a document separator before sentence e (inside a block: e is not its first)
+            return int(cfg.document_separator and doc_of[e] != doc_of[e - 1])
         s = 0
         while s < len(lengths):
             total, e = 0, s
-            while e < len(lengths) and (e == s or total + lengths[e] <= targets[s]):
-                total += lengths[e]
+            while e < len(lengths) and (e == s or total + lengths[e] + sep(e) <= targets[s]):
+                total += lengths[e] + (sep(e) if e > s else 0)
                 e += 1
             out.append((s, e, doc_of[s]))
             s = e
     return np.asarray(out, np.int64).reshape(-1, 3)
 
 
-@pytest.mark.parametrize("next_sentence", [True, False])
+@pytest.mark.parametrize("next_sentence,separator", [(True, True), (False, True), (False, False)])
 @pytest.mark.parametrize("seq_len", [16, 128, 512])
-def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, seq_len):
+def test_vectorised_blocks_equal_the_greedy_loop(prepared, next_sentence, separator, seq_len):
     store = TokenStore(prepared)
     cfg = SampleConfig(max_seq_length=seq_len, max_predictions_per_seq=4, short_seq_prob=0.3,
-                       next_sentence=next_sentence, split_sentences=False)
+                       next_sentence=next_sentence, split_sentences=False, document_separator=separator)
     max_tokens = seq_len - (3 if next_sentence else 2)
     seed = 12345
     keys = sample_keys(seed, _BLOCK_DOMAIN, np.arange(store.num_sentences))
@@ -367,18 +506,30 @@ def test_static_packed_instances_and_records_from_before_split_sentences(tmp_pat
     ids = np.arange(len(dynamic))
     assert np.array_equal(static.get_rows(0, ids), dynamic.get_rows(0, ids))
     folder, meta = find_static(out, sample, 12345)
-    assert folder.name.endswith("packed-split-d1-seed12345") and meta["sample_config"]["split_sentences"] is True
-    # A record written before the setting existed is whole-sentence packing, which is what it was built with.
+    assert folder.name.endswith("packed-split-sep-d1-seed12345")
+    assert meta["sample_config"]["split_sentences"] is True and meta["sample_config"]["document_separator"] is True
+    # A record written before document_separator existed is packing without separators, as it was built; one
+    # from before split_sentences also is whole-sentence packing.
     record = dict(meta["sample_config"])
+    del record["document_separator"]
+    (folder / "instances.json").write_text(json.dumps({**meta, "sample_config": record}), encoding="utf-8")
+    unmarked = SampleConfig(64, 10, next_sentence=False, document_separator=False)
+    assert sample_from_record(record) == (unmarked, 12345)
+    assert find_static(out, unmarked, 12345)[0] == folder
+    with pytest.raises(ValueError, match="no static instances"):
+        find_static(out, sample, 12345)
     del record["split_sentences"]
     (folder / "instances.json").write_text(json.dumps({**meta, "sample_config": record}), encoding="utf-8")
-    whole = SampleConfig(64, 10, next_sentence=False, split_sentences=False)
+    whole = SampleConfig(64, 10, next_sentence=False, split_sentences=False, document_separator=False)
     assert sample_from_record(record) == (whole, 12345)
     assert find_static(out, whole, 12345)[0] == folder
     with pytest.raises(ValueError, match="no static instances"):
-        find_static(out, sample, 12345)
-    # NSP records carry no split_sentences: the same record as before it existed
-    assert "split_sentences" not in sample_record(SampleConfig(), 1)
+        find_static(out, dataclasses.replace(whole, document_separator=True), 12345)
+    # Packing without separators keeps the folder (and blocks) names from before the setting existed.
+    assert static_dir_name(unmarked, 12345, 1).endswith("-packed-split-d1-seed12345")
+    assert static_dir_name(whole, 12345, 1).endswith("-packed-d1-seed12345")
+    # NSP records carry neither setting: the same record as before they existed
+    assert not {"split_sentences", "document_separator"} & set(sample_record(SampleConfig(), 1))
 
 
 def test_whole_word_masking_follows_the_reference_greedy_fill(prepared):
@@ -433,3 +584,32 @@ def test_a_casing_mismatch_with_the_same_vocab_says_which_key_to_set(prepared):
     ds = PretrainingDataset(prepared, SAMPLE)
     with pytest.raises(ValueError, match=r"prepared uncased .*'data\.do_lower_case'\): set it to true"):
         ds.check_tokenizer(VOCAB, False)
+
+
+def test_prepare_no_document_separator_flag(tmp_path, caplog):
+    """`bertrain prepare --no-document-separator` writes static packing without separators (the folder name and
+    record of before the setting existed); with --masking dynamic the flag is named as unused."""
+    import argparse
+    import logging
+
+    from bertrain.commands import prepare as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    out = tmp_path / "prepared"
+    args = parser.parse_args(["--input", "builtin:python-docs", "--output", str(out), "--vocab-file", str(VOCAB),
+                              "--max-seq-length", "64", "--max-predictions-per-seq", "10", "--no-next-sentence",
+                              "--no-document-separator", "--dupe-factor", "1", "--workers", "1",
+                              "--heldout-fraction", "0"])
+    assert args.document_separator is False
+    assert command.run(args) == 0
+    unmarked = SampleConfig(64, 10, next_sentence=False, document_separator=False)
+    folder, meta = find_static(out, unmarked, 12345)
+    assert folder.name.endswith("-packed-split-d1-seed12345") and meta["sample_config"]["document_separator"] is False
+    sep = read_vocab(VOCAB).index("[SEP]")
+    b = PretrainingDataset(out, unmarked, masking="static").get_batch(0, np.arange(200))
+    assert torch.all((_unmasked_rows(b)[0] == sep).sum(1) == 1)  # no separators
+    assert parser.parse_args(["--input", "x"]).document_separator is True
+    with caplog.at_level(logging.WARNING):
+        command._warn_unused_sample_flags(SampleConfig(next_sentence=False, document_separator=False), "dynamic")
+    assert "--no-document-separator (sample.document_separator: false)" in caplog.text

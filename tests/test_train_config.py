@@ -326,3 +326,45 @@ def test_a_section_given_in_part_keeps_the_commands_own_defaults_for_the_rest() 
     assert (cfg.optim.lr, cfg.optim.weight_decay) == (3e-5, 0.0)
     assert (cfg.eval.interval, cfg.eval.final, cfg.eval.each_epoch) == (3, "best", True)
     assert (cfg.checkpoint.save_interval, cfg.train.epochs) == (0, 2.0)
+
+
+@pytest.mark.parametrize("next_sentence", [True, False])
+def test_a_checkpoint_of_before_the_packing_keys_resumes_as_itself(tmp_path, next_sentence) -> None:
+    """A checkpoint whose config.yaml predates sample.split_sentences / sample.document_separator: an NSP run (they
+    mean nothing to it) resumes as before; a packing run is told that the newer defaults change its rows, and
+    resumes with the values it trained with."""
+    import json
+    import shutil
+
+    import yaml
+
+    from bertrain.config import from_dict
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    from bertrain.train import checkpoint as ckpt
+    from bertrain.utils.errors import UserError
+
+    def cfg(steps: int, **sample) -> PretrainConfig:
+        return from_dict(PretrainConfig, {
+            "model": {"preset": "tiny"}, "data": {"synthetic_samples": 32, "vocab_size": 100},
+            "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5, "next_sentence": next_sentence, **sample},
+            "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 8},
+            "checkpoint": {"save_interval": 1}, "output_dir": str(tmp_path / "run")})
+
+    run_pretraining(cfg(2, split_sentences=False, document_separator=False))
+    shutil.rmtree(tmp_path / "run" / "step-2")  # as if stopped after step 1
+    saved = tmp_path / "run" / "step-1" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    for key in ("split_sentences", "document_separator"):  # as an older bertrain wrote it
+        del old["sample"][key]
+    saved.write_text(yaml.safe_dump(old))
+    manifest = saved.parent / ckpt.MANIFEST
+    files = json.loads(manifest.read_text())
+    files["files"]["config.yaml"] = {"size": saved.stat().st_size, "sha256": ckpt.sha256_file(saved)}
+    manifest.write_text(json.dumps(files))
+    if next_sentence:
+        assert run_pretraining(cfg(2), resume="auto").state.step == 2
+        return
+    with pytest.raises(UserError, match=r"sample.document_separator: False -> True\n  sample.split_sentences: "
+                                        r"False -> True"):
+        run_pretraining(cfg(2), resume="auto")
+    assert run_pretraining(cfg(2, split_sentences=False, document_separator=False), resume="auto").state.step == 2

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="static: MLM-only packing across documents, no NSP pairs")
     a("--whole-sentences", dest="split_sentences", action="store_false",
       help="static MLM-only packing: whole sentences only (default: full blocks that may cut a sentence, as run_mlm)")
+    a("--no-document-separator", dest="document_separator", action="store_false",
+      help="static MLM-only packing: no [SEP] between documents (default: one where a block crosses documents, as "
+           "RoBERTa FULL-SENTENCES)")
     a("--input-format", default="auto", choices=INPUT_FORMATS)
     a("--text-column", "--text-field", dest="text_field", default="text", metavar="NAME",
       help="Parquet/Arrow column (or JSONL key) holding a document's text (default text)")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     sample = SampleConfig(max_seq_length=args.max_seq_length, max_predictions_per_seq=args.max_predictions_per_seq,
                           masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
                           whole_word_masking=args.whole_word_masking, next_sentence=args.next_sentence,
-                          split_sentences=args.split_sentences)
+                          split_sentences=args.split_sentences, document_separator=args.document_separator)
     if args.masking != "static":
         _warn_unused_sample_flags(sample, args.masking)
     do_lower_case = args.do_lower_case
@@ -109,7 +112,7 @@ def _warn_unused_sample_flags(sample: SampleConfig, masking: str) -> None:
     flags = {"max_seq_length": "--max-seq-length", "max_predictions_per_seq": "--max-predictions-per-seq",
              "masked_lm_prob": "--masked-lm-prob", "short_seq_prob": "--short-seq-prob",
              "whole_word_masking": "--whole-word-masking", "next_sentence": "--no-next-sentence",
-             "split_sentences": "--whole-sentences"}
+             "split_sentences": "--whole-sentences", "document_separator": "--no-document-separator"}
     given = [f"{flag} (sample.{f.name}: {json.dumps(getattr(sample, f.name))})" for f in dataclasses.fields(sample)
              if (flag := flags.get(f.name)) and getattr(sample, f.name) != getattr(default, f.name)]
     if given:

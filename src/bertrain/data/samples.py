@@ -24,10 +24,19 @@ How we make that fast and replayable (the parts that differ from the reference, 
   `d` (d < dupe_factor): the two modes share one code path and one test suite. Static instances live in
   `DIR/static-.../` (`instances.bin` rows + `instances.json`, which records the sample settings and seed).
 * **MLM-only packing** (`next_sentence=False`): blocks run over document boundaries: `[CLS] tokens... [SEP]`,
-  token types 0, `next_sentence_labels` -100. By default (`split_sentences`) a block is the next `max_seq_length - 2`
-  tokens of the corpus, cutting a sentence where the block ends, as HF run_mlm's group_texts and RoBERTa's
-  FULL-SENTENCES do: every block is full (but the last, and the short-target ones). `split_sentences=False` packs
-  whole sentences only, which left ~19% of the slots empty on the shipped corpora (BENCHMARKS.md, packing): with
+  token types 0, `next_sentence_labels` -100. The packed stream is the corpus's tokens with one `[SEP]` between two
+  documents (`document_separator`, the default; none after the last document), as RoBERTa's FULL-SENTENCES ("add
+  an extra separator token between documents") and HF run_mlm's group_texts (every text `[CLS] ... [SEP]`) mark
+  them: a row that crosses documents reads `[CLS] ...end of one [SEP] start of the next... [SEP]`. A separator
+  takes a slot of the block, is never a masking candidate and is not counted in `round(len * masked_lm_prob)`;
+  one that falls on a block's first or last slot is left out (the row's `[CLS]` / final `[SEP]` marks that
+  boundary: never `[CLS] [SEP]` nor `[SEP] [SEP]`, so such a block is a slot short). Stream positions map to
+  tokens with one `searchsorted` over the separators' positions (`document_boundaries`, `stream_separators`), so
+  the builder stays vectorised; `document_separator=False` gives the rows of before, documents unmarked (old
+  static records read so). By default (`split_sentences`) a block is the next `max_seq_length - 2` positions of
+  the stream, cutting a sentence where the block ends, as group_texts and FULL-SENTENCES do: every block is full
+  (but the last, the short-target ones and those that lose an edge separator). `split_sentences=False` packs whole
+  sentences only, which left ~19% of the slots empty on the shipped corpora (BENCHMARKS.md, packing): with
   unpadding empty slots cost little time, but each step then learns from that many fewer tokens.
 * **Whole-word masking** picks words in random order and, as the reference, skips a word that no longer fits in the
   budget and tries later ones (a loop over words, vectorised over the samples).
@@ -135,6 +144,11 @@ class SampleConfig:
     split_sentences: bool = True
     """MLM-only packing: blocks are full windows of the token stream that may cut a sentence (run_mlm, RoBERTa
     FULL-SENTENCES); false = whole sentences only. Ignored with next_sentence."""
+    document_separator: bool = True
+    """MLM-only packing: a [SEP] between two documents in the token stream (RoBERTa FULL-SENTENCES' extra separator
+    token), so a block that crosses a document boundary marks it; the separator takes a slot, is never masked and is
+    not counted in the number of predictions. false = documents run into each other unmarked (as before this
+    setting existed). Ignored with next_sentence."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -183,8 +197,14 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
         # whose offset reaches start + target is past `start`), or the document ends.
         end = np.minimum(np.searchsorted(cum, cum[:-1] + target, side="left"), doc_starts[doc_of + 1])
     else:
-        # Whole sentences while they fit (at least one), across documents.
-        end = np.maximum(start + 1, np.searchsorted(cum, cum[:-1] + target, side="right") - 1)
+        # Whole sentences while they fit (at least one), across documents. With document separators a block's
+        # length is in stream positions: from its first token to the end of its last sentence, the separators
+        # between its documents included (one at its edges is left out, as in `_token_windows`).
+        bounds = document_boundaries(store, sample)
+        head, tail = cum[:-1], cum
+        if len(bounds):
+            head, tail = head + np.searchsorted(bounds, head, side="right"), tail + np.searchsorted(bounds, tail)
+        end = np.maximum(start + 1, np.searchsorted(tail, head + target, side="right") - 1)
     if sample.next_sentence:  # every document starts a chain: follow all documents' chains together
         doc_end = doc_starts[1:]
         parts = []
@@ -217,22 +237,47 @@ def block_targets(sample: SampleConfig, seed: int, first: np.ndarray) -> np.ndar
     return np.where(_uniform(keys, 0) < sample.short_seq_prob, short_len, max_tokens)
 
 
+def document_boundaries(store: TokenStore, sample: SampleConfig) -> np.ndarray:
+    """Token offsets where a document starts, the corpus's first excluded (int64, ascending): a separator precedes
+    each of them in `sample`'s packing stream. Empty when there are no separators (NSP, `document_separator` false).
+    Empty documents have no tokens and so no separator of their own (never two separators in a row)."""
+    if sample.next_sentence or not sample.document_separator:
+        return np.zeros(0, np.int64)
+    ss = np.asarray(store.sentence_starts, dtype=np.int64)
+    b = np.unique(ss[np.asarray(store.document_starts, dtype=np.int64)[1:-1]])
+    return b[(b > 0) & (b < ss[-1])]
+
+
+def stream_separators(boundaries: np.ndarray) -> np.ndarray:
+    """Stream positions of the separators before `boundaries` (`document_boundaries`): the k-th sits at
+    boundaries[k] + k. Token t is at stream position t + #(boundaries <= t)."""
+    return boundaries + np.arange(len(boundaries), dtype=np.int64)
+
+
 def splits_sentences(sample: SampleConfig) -> bool:
-    """Whether `sample`'s blocks are token windows (rows [token start, token end, document]) rather than sentence
-    ranges (rows [first sentence, end sentence, document])."""
+    """Whether `sample`'s blocks are token windows (rows [stream start, stream end, document]: token offsets, or with
+    document separators positions in the stream of tokens and separators) rather than sentence ranges (rows [first
+    sentence, end sentence, document])."""
     return not sample.next_sentence and sample.split_sentences
 
 
 def _block_kind(sample: SampleConfig) -> str:
-    """The kind of blocks in cache and static-folder names ("packed" = whole sentences, its name from before)."""
-    return "nsp" if sample.next_sentence else ("packed-split" if sample.split_sentences else "packed")
+    """The kind of blocks in cache and static-folder names ("packed" = whole sentences, its name from before;
+    "-sep": document separators, so packing without them keeps the names it had before they existed)."""
+    if sample.next_sentence:
+        return "nsp"
+    return ("packed-split" if sample.split_sentences else "packed") + ("-sep" if sample.document_separator else "")
 
 
 def _token_windows(store: TokenStore, sample: SampleConfig, seed: int, max_tokens: int) -> np.ndarray:
-    """Packed blocks as consecutive token windows over the whole corpus: [token start, token end, document of the
-    start]. Window k's length is its target (`max_tokens`, or with `short_seq_prob` a random shorter one), keyed by
-    k; the last window takes what is left."""
-    n_tokens = int(store.sentence_starts[-1])
+    """Packed blocks as consecutive windows of the token stream over the whole corpus: [stream start, stream end,
+    document of the first token]. Window k's length is its target (`max_tokens`, or with `short_seq_prob` a random
+    shorter one), keyed by k; the last window takes what is left. The stream is the corpus's tokens with, when
+    `document_separator`, a separator between documents (none after the last): positions are then stream
+    positions, not token offsets, and a separator at a window's first or last position is left out of the window
+    (the row's [CLS] or final [SEP] already marks that boundary: never `[CLS] [SEP]` nor `[SEP] [SEP]`)."""
+    seps = stream_separators(document_boundaries(store, sample))
+    n_tokens = int(store.sentence_starts[-1]) + len(seps)  # the stream's length
     lengths = []
     k, covered = 0, 0
     while covered < n_tokens:  # a few rounds at most: each draws targets for the windows still expected
@@ -246,17 +291,25 @@ def _token_windows(store: TokenStore, sample: SampleConfig, seed: int, max_token
     n_windows = int(np.searchsorted(ends, n_tokens, side="left")) + 1
     end = np.minimum(ends[:n_windows], n_tokens)
     start = np.concatenate([[0], end[:-1]])
+    first_token = start
+    if len(seps):  # a window never starts or ends with a separator (it has >= 2 slots, separators never touch)
+        j = np.searchsorted(seps, start, side="left")  # the separators before the window
+        at_start = seps[np.minimum(j, len(seps) - 1)] == start
+        at_end = seps[np.minimum(np.searchsorted(seps, end - 1, side="left"), len(seps) - 1)] == end - 1
+        start, end = start + at_start, end - at_end
+        first_token = start - (j + at_start)
     # The document of a window's first token: its sentence, then that sentence's document.
-    sent = np.searchsorted(store.sentence_starts, start, side="right") - 1
+    sent = np.searchsorted(store.sentence_starts, first_token, side="right") - 1
     doc = np.searchsorted(np.asarray(store.document_starts, dtype=np.int64), sent, side="right") - 1
     return np.stack([start, end, doc], axis=1).astype(np.int64)
 
 
 def load_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarray:
     """`build_blocks`, cached in the prepared folder (atomic write; rebuilt if missing or unreadable)."""
-    name = f"blocks-v2-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-{_block_kind(sample)}-seed{seed}.npy"
+    name = f"blocks-v3-s{sample.max_seq_length}-short{sample.short_seq_prob:g}-{_block_kind(sample)}-seed{seed}.npy"
     path = store.dir / "cache" / name
-    last = store.num_tokens if splits_sentences(sample) else store.num_sentences
+    last = (store.num_tokens + len(document_boundaries(store, sample)) if splits_sentences(sample)
+            else store.num_sentences)
     if path.is_file():
         try:
             blocks = np.load(path)
@@ -300,6 +353,9 @@ class InstanceBuilder:
         # First block of each document and its count: to draw a random block from *another* document.
         self.doc_first_block = np.searchsorted(docs, np.arange(n_docs + 1))
         self.n_blocks = len(self.blocks)
+        # Packing with document separators: the stream positions of the separators (empty otherwise).
+        self.boundaries = document_boundaries(store, sample)
+        self.separators = stream_separators(self.boundaries)
 
     @property
     def row_width(self) -> int:
@@ -316,10 +372,13 @@ class InstanceBuilder:
         ss = self.store.sentence_starts
         first, end, doc = self.blocks[ids, 0], self.blocks[ids, 1], self.blocks[ids, 2]
         n_sent = end - first
-        if splits_sentences(sample):  # token windows
+        if splits_sentences(sample):  # token windows (stream positions)
             block_start, block_end = first, end
         else:
             block_start, block_end = ss[first], ss[end]
+            if len(self.boundaries):  # packing with separators: stream positions of the block's first token and end
+                block_start = block_start + np.searchsorted(self.boundaries, block_start, side="right")
+                block_end = block_end + np.searchsorted(self.boundaries, block_end, side="left")
 
         if sample.next_sentence:
             max_tokens = T - 3
@@ -410,18 +469,39 @@ class InstanceBuilder:
             in_b = (pos >= la[:, None] + 2) & (pos < total[:, None] - 1)
             src += in_b * (b_start - a_start - la - 1)[:, None]
             candidate |= in_b
+        sep_at, n_sep = None, 0
+        if len(self.separators):
+            # Packing with document separators: A is a window of the stream. A stream position is a separator or
+            # token `position - #(separators before it)`: the separators of each row's window are marked on the
+            # grid (a scatter), and a cumulative sum along the row counts them.
+            seps = self.separators
+            j0 = np.searchsorted(seps, a_start, side="left")
+            n_sep = np.searchsorted(seps, a_start + la, side="left") - j0
+            src -= j0[:, None]
+            if n_sep.any():
+                r = np.repeat(np.arange(n), n_sep)
+                k = np.arange(len(r)) - np.repeat(np.cumsum(n_sep) - n_sep, n_sep) + j0[r]
+                sep_at = (r, seps[k] - a_start[r] + 1)  # (row, grid position) of every separator
+                is_sep = np.zeros((n, W), np.int64)
+                is_sep[sep_at] = 1
+                src -= np.cumsum(is_sep, axis=1, out=is_sep)
+                candidate[sep_at] = False
         np.clip(src, 0, max(self.store.num_tokens - 1, 0), out=src)
         rows[:, ROW_HEADER + W: ROW_HEADER + T] = self.special["[PAD]"]
         tokens = rows[:, ROW_HEADER: ROW_HEADER + W]
         np.copyto(tokens, self.store.tokens_at(src, tokens.dtype))
         tokens[~candidate] = self.special["[PAD]"]
+        if sep_at is not None:
+            tokens[sep_at] = self.special["[SEP]"]
         tokens[:, 0] = self.special["[CLS]"]
         rows_idx = np.arange(n)
         if sample.next_sentence:
             tokens[rows_idx, la + 1] = self.special["[SEP]"]
         tokens[rows_idx, total - 1] = self.special["[SEP]"]
 
-        positions, n_pred = self._choose_masked(keys, tokens, candidate, total)
+        # The number of predictions is the reference's round(len(tokens) * masked_lm_prob), [CLS] and [SEP] counted
+        # but not the document separators (what the row would hold without them).
+        positions, n_pred = self._choose_masked(keys, tokens, candidate, total - n_sep)
         labels = np.take_along_axis(tokens, positions, axis=1)
         valid = np.arange(P)[None, :] < n_pred[:, None]
         positions = np.where(valid, positions, 0)
@@ -440,7 +520,8 @@ class InstanceBuilder:
 
     def _choose_masked(self, keys: np.ndarray, tokens: np.ndarray, candidate: np.ndarray,
                        total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted masked positions (n, P) (garbage beyond n_pred) and n_pred (n,)."""
+        """Sorted masked positions (n, P) (garbage beyond n_pred) and n_pred (n,). `total`: the length whose
+        `round(total * masked_lm_prob)` is the number of predictions (capped at P and at the candidates)."""
         sample = self.sample
         n, T = tokens.shape
         P = sample.max_predictions_per_seq
@@ -531,17 +612,19 @@ def _binomial_half(keys: np.ndarray, slot: int, k: np.ndarray) -> np.ndarray:
 
 def sample_record(sample: SampleConfig, seed: int) -> dict[str, Any]:
     """The settings recorded with static instances (`instances.json`, `stats.json`): a sample is these and the seed.
-    `split_sentences` only where it means something (packing), so NSP records are the same as before it existed."""
+    `split_sentences` and `document_separator` only where they mean something (packing), so NSP records are the
+    same as before they existed."""
     record = {**asdict(sample), "seed": seed}
     if sample.next_sentence:
-        del record["split_sentences"]
+        del record["split_sentences"], record["document_separator"]
     return record
 
 
 def _normalised_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A recorded sample from before `split_sentences` existed packed whole sentences."""
-    if not record.get("next_sentence", True) and "split_sentences" not in record:
-        return {**record, "split_sentences": False}
+    """A packing record from before `split_sentences` existed packed whole sentences; one from before
+    `document_separator` existed packed without separators."""
+    if not record.get("next_sentence", True):
+        return {"split_sentences": False, "document_separator": False, **record}
     return record
 
 

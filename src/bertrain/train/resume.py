@@ -183,12 +183,33 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, 
     return taken, changing
 
 
+PACKING_ONLY_KEYS = ("sample.split_sentences", "sample.document_separator")
+"""Sample keys that only MLM-only packing reads (`sample.next_sentence: false`)."""
+
+
+def sample_keys_of_before(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's `sample` section with the packing keys added since, at the value that gives the rows it
+    trained on: whole sentences (before split_sentences) and no document separators (before document_separator).
+    So a packing run of an older bertrain resumes as itself and is told, key by key, what a newer default would
+    change."""
+    sample = data.get("sample")
+    if not isinstance(sample, dict) or sample.get("next_sentence", True) is not False:
+        return data
+    missing = {k.split(".", 1)[1]: False for k in PACKING_ONLY_KEYS if k.split(".", 1)[1] not in sample}
+    return {**data, "sample": {**sample, **missing}} if missing else data
+
+
 def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str, tuple]:
     """Compare `cfg` with the checkpoint's config.yaml; returns the run-changing differences that are allowed."""
     saved = path / "config.yaml"
     if not saved.is_file():
         return {}
-    taken, changing = config_changes(upgrade_keys(load_file(saved), warn=False), to_dict(cfg))  # keys since moved
+    old = sample_keys_of_before(upgrade_keys(load_file(saved), warn=False))  # keys since moved or added
+    taken, changing = config_changes(old, to_dict(cfg))
+    if flatten(old).get("sample.next_sentence") is not False and getattr(getattr(cfg, "sample", None),
+                                                                         "next_sentence", False):
+        for key in PACKING_ONLY_KEYS:  # they mean nothing to an NSP run: absent from an older one, not a change
+            changing.pop(key, None)
     for key, (a, b) in taken.items():
         log.info("resuming with %s = %r (was %r)", key, b, a)
     if changing and not allow_change:
