@@ -196,3 +196,33 @@ def finetune_data(task: str, root: Path) -> Path:
     squad_v2_fixture(root / "train.json", 8)
     squad_v2_fixture(root / "dev.json", 3)
     return root
+
+
+POSITIONAL_OFFSET = 1000
+"""In a positional store, ids below this are specials; corpus token p has id POSITIONAL_OFFSET + p."""
+
+
+def write_positional_store(out: Path, counts, lengths, subword_every: int = 0) -> Path:
+    """A prepared folder whose every token id is its own corpus position (id = POSITIONAL_OFFSET + position), so each
+    token of a sample row says where in the corpus it came from: documents of `counts[d]` sentences of `lengths[s]`
+    tokens; with `subword_every` k, every k-th position from 1 is a "##" piece (whole-word masking)."""
+    import json
+
+    import numpy as np
+
+    from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, token_dtype
+
+    n_tokens = int(np.sum(lengths))
+    vocab_size = POSITIONAL_OFFSET + n_tokens
+    (out / "shards").mkdir(parents=True)
+    w = ShardWriter(out / "shards" / "shard-00000.bts", token_dtype(vocab_size))
+    w.add(POSITIONAL_OFFSET + np.arange(n_tokens), lengths, counts)
+    info = w.close()
+    meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer_identity": "positional-test",
+            "do_lower_case": True, "vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name,
+            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+            "subword_ids": [POSITIONAL_OFFSET + q for q in range(1, n_tokens, subword_every)] if subword_every else [],
+            "shards": [info], "num_tokens": n_tokens, "num_sentences": len(lengths), "num_documents": len(counts)}
+    (out / "store.json").write_text(json.dumps(meta), encoding="utf-8")
+    (out / "stats.json").write_text("{}", encoding="utf-8")  # marks the folder complete
+    return out

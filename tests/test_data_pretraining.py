@@ -12,11 +12,12 @@ import torch
 
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.pretraining import PretrainingDataset, PretrainingLoader, rows_to_batch
-from bertrain.data.samples import (_BLOCK_DOMAIN, NSP_NONE, ROW_HEADER, InstanceBuilder, SampleConfig, _uniform,
+from bertrain.data.samples import (_BLOCK_DOMAIN, NSP_NONE, InstanceBuilder, SampleConfig, _uniform,
                                    build_blocks, find_static, sample_from_record, sample_keys, sample_record,
                                    static_dir_name)
-from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
+from bertrain.data.store import TokenStore
 from bertrain.data.tokenizer import read_vocab
+from helpers import POSITIONAL_OFFSET, write_positional_store
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 VOCAB = ASSETS / "vocab-tiny.txt"
@@ -202,7 +203,7 @@ def test_mlm_only_packing(prepared, split):
         assert np.isin(starts, store.sentence_starts).all()
 
 
-OFFSET = 1000  # positional store: ids below are specials; corpus token p has id OFFSET + p
+OFFSET = POSITIONAL_OFFSET  # ids below are specials; corpus token p has id OFFSET + p
 
 
 @pytest.fixture(scope="module")
@@ -213,21 +214,7 @@ def positional(tmp_path_factory) -> Path:
     rng = np.random.default_rng(11)
     counts = rng.integers(1, 6, 400)
     lengths = rng.integers(2, 30, int(counts.sum()))
-    n_tokens = int(lengths.sum())
-    vocab_size = OFFSET + n_tokens
-    out = tmp_path_factory.mktemp("positional")
-    (out / "shards").mkdir()
-    w = ShardWriter(out / "shards" / "shard-00000.bts", token_dtype(vocab_size))
-    w.add(OFFSET + np.arange(n_tokens), lengths, counts)
-    info = w.close()
-    meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer_identity": "positional-test",
-            "do_lower_case": True, "vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name,
-            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
-            "subword_ids": [OFFSET + q for q in range(1, n_tokens, 3)],
-            "shards": [info], "num_tokens": n_tokens, "num_sentences": len(lengths), "num_documents": len(counts)}
-    (out / "store.json").write_text(json.dumps(meta), encoding="utf-8")
-    (out / "stats.json").write_text("{}", encoding="utf-8")  # marks the folder complete
-    return out
+    return write_positional_store(tmp_path_factory.mktemp("positional"), counts, lengths, subword_every=3)
 
 
 @pytest.mark.parametrize("wwm", [False, True])

@@ -8,16 +8,16 @@ to max_seq_length - 3.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bertrain.data.samples import _BLOCK_DOMAIN, ROW_HEADER, InstanceBuilder, SampleConfig, _uniform, sample_keys
-from bertrain.data.store import STORE_FORMAT, STORE_VERSION, ShardWriter, TokenStore, token_dtype
+from bertrain.data.store import TokenStore
+from helpers import POSITIONAL_OFFSET, write_positional_store
 
-OFFSET = 1000  # ids below are [PAD] [UNK] [CLS] [SEP] [MASK] and filler; corpus token p has id OFFSET + p
+OFFSET = POSITIONAL_OFFSET  # ids below are specials; corpus token p has id OFFSET + p
 T, P = 64, 10
 MAX_TOKENS = T - 3
 
@@ -29,20 +29,7 @@ def positional_store(tmp_path_factory) -> Path:
     rng = np.random.default_rng(7)
     counts = rng.integers(1, 6, 300)
     lengths = rng.integers(3, 41, int(counts.sum()))
-    n_tokens = int(lengths.sum())
-    vocab_size = OFFSET + n_tokens
-    out = tmp_path_factory.mktemp("positional")
-    (out / "shards").mkdir()
-    w = ShardWriter(out / "shards" / "shard-00000.bts", token_dtype(vocab_size))
-    w.add(OFFSET + np.arange(n_tokens), lengths, counts)
-    info = w.close()
-    meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "tokenizer_identity": "positional-test",
-            "do_lower_case": True, "vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name,
-            "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}, "subword_ids": [],
-            "shards": [info], "num_tokens": n_tokens, "num_sentences": len(lengths), "num_documents": len(counts)}
-    (out / "store.json").write_text(json.dumps(meta), encoding="utf-8")
-    (out / "stats.json").write_text("{}", encoding="utf-8")  # marks the folder complete
-    return out
+    return write_positional_store(tmp_path_factory.mktemp("positional"), counts, lengths)
 
 
 @pytest.mark.parametrize("short_seq_prob", [0.0, 0.3])
