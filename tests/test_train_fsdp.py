@@ -432,7 +432,7 @@ def test_optimizer_moments_from_another_run_in_every_combination(runs: dict[str,
             cfg["optim"]["init_state"] = str(runs[source] / "step-10")
         log = pretrain(2, cfg)
         if source:
-            assert f"(optim.init_state); step counters start at 0" in log
+            assert "(optim.init_state); step counters start at 0" in log
     base = records(out["ddp<-ddp"])
     for name in ("ddp<-dcp", "fsdp<-ddp", "fsdp<-dcp"):
         assert_records_close(base, records(out[name]), range(1, 5))

@@ -282,7 +282,7 @@ def _squad_feature_config(length: int, meta: dict[str, Any], requested: bool) ->
     query = int(meta.get("max_query_length", min(64, length // 2)))
     try:
         return SquadFeatureConfig(length, int(meta.get("doc_stride", 128)), query)
-    except ValueError as e:
+    except ValueError:
         if not requested or query + 3 < length:
             raise
         given = "max_query_length in task.json" if "max_query_length" in meta else "half the window"

@@ -353,7 +353,7 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
                              f"data's vocabulary has {vocab_size} entries")
         log.info("initialised weights from %s (weights only; the schedule starts fresh, and the optimizer's moments %s)",
-                 m.init, f"come from optim.init_state" if cfg.optim.init_state else "start at zero")
+                 m.init, "come from optim.init_state" if cfg.optim.init_state else "start at zero")
     else:
         if m.preset.endswith(".json") or Path(m.preset).is_file():
             config = config_from_json_file(m.preset)
