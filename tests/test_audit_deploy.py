@@ -75,6 +75,21 @@ def test_an_exported_fine_tuned_model_predicts_what_its_run_evaluated(tmp_path, 
     answers = {r["id"]: r["answer"] for r in map(json.loads, capsys.readouterr().out.splitlines())}
     reference = json.loads((run / "predictions.json").read_text())
     assert answers == reference
+    # the SQuAD file itself (answers optional, as a hidden test set's): the official predictions.json, scored by
+    # `bertrain evaluate` as the run scored it
+    stripped = tmp_path / "test.json"
+    stripped.write_text(json.dumps({"version": "1.1", "data": [
+        {"title": a.get("title", ""), "paragraphs": [
+            {"context": p["context"], "qas": [{"id": qa["id"], "question": qa["question"]} for qa in p["qas"]]}
+            for p in a["paragraphs"]]} for a in dev["data"]]}))
+    for source in (run / "dev-articles-23_24.json", stripped):
+        assert main(["predict", "--model", str(hub), "--input", str(source), "--output", str(tmp_path / "p.json")]) == 0
+        assert json.loads((tmp_path / "p.json").read_text()) == reference
+    capsys.readouterr()
+    assert main(["evaluate", "squad", "--data", str(run / "dev-articles-23_24.json"), "--predictions",
+                 str(tmp_path / "p.json")]) == 0
+    scored, ran = json.loads(capsys.readouterr().out), json.loads((run / "eval_results.json").read_text())
+    assert (scored["exact_match"], scored["f1"]) == (ran["exact_match"], ran["f1"])
     for folder in ("final", "best"):  # the run's own folders answer as evaluated too
         assert main(["predict", "--model", str(run / folder), "--input", str(items)]) == 0
         assert {r["id"]: r["answer"] for r in map(json.loads, capsys.readouterr().out.splitlines())} == reference
@@ -402,3 +417,29 @@ def test_serve_refuses_one_sentence_for_a_pair_model_naming_the_item(mrpc_like):
         assert bad.status_code == 422
         assert bad.json()["error"] == "item 1: the model was fine-tuned on mrpc, a sentence-pair task: give 'text' " \
                                       "and 'text_pair'"
+
+
+def test_a_squad_v2_file_gives_the_official_predictions_and_null_odds(tmp_path, capsys):
+    """`bertrain predict --input dev.json` (a SQuAD v2.0 file) -> predictions.json and its null odds, those the
+    fine-tuning run wrote for the same file; a repeated question id and a classifier are refused."""
+    from helpers import finetune_argv, finetune_data
+
+    data, model = finetune_data("squad", tmp_path / "data"), save_tiny_model(tmp_path / "init")
+    run = tmp_path / "run"
+    assert main(finetune_argv("squad", data, model, run, 2)) == 0
+    out = tmp_path / "out" / "preds.json"
+    out.parent.mkdir()
+    assert main(["predict", "--model", str(run / "final"), "--input", str(data / "dev.json"), "--output",
+                 str(out)]) == 0
+    assert json.loads(out.read_text()) == json.loads((run / "predictions.json").read_text())
+    odds = json.loads((tmp_path / "out" / "preds.null_odds.json").read_text())
+    assert odds.keys() == json.loads((run / "null_odds.json").read_text()).keys()
+    for k, v in json.loads((run / "null_odds.json").read_text()).items():
+        assert abs(odds[k] - v) < 1e-4
+    assert "--na-prob-file" in capsys.readouterr().err
+    twice = json.loads((data / "dev.json").read_text())
+    qas = twice["data"][0]["paragraphs"][0]["qas"]
+    qas.append(dict(qas[0]))
+    (tmp_path / "twice.json").write_text(json.dumps(twice))
+    assert main(["predict", "--model", str(run / "final"), "--input", str(tmp_path / "twice.json")]) == 2
+    assert f"question id {qas[0]['id']} appears twice" in _last_error_line(capsys)

@@ -1,6 +1,9 @@
 """`bertrain predict`: batched QA or classification predictions from a file, stdin or the command line.
 
-Output is JSON lines (one object per input, in input order) on stdout or --output; throughput goes to stderr.
+Output is JSON lines (one object per input, in input order) on stdout or --output; throughput goes to stderr. A
+SQuAD-format file (`--format squad`, the default for a .json input to a QA model; answers optional) gives the official
+predictions.json instead ({question id: answer}, what evaluate-v1.1/v2.0.py and the SQuAD leaderboard read), and for
+a v2.0 model its null odds (evaluate-v2.0.py's --na-prob-file) beside it.
 An input without an "id" is numbered by its position among the inputs, from 0. `--output` is written atomically
 once every input is predicted: an error or Ctrl-C leaves an existing file as it was.
 """
@@ -21,9 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", default=None,
                         help="JSONL or TSV file, '-' for stdin (QA: {question, context} / question<TAB>context; "
                              "classification: {text[, text_pair]} / text[<TAB>text_pair]); an item without an "
-                             "\"id\" is numbered by its position, from 0")
-    parser.add_argument("--format", choices=["jsonl", "tsv"], default=None,
-                        help="input format (default: from the file suffix; jsonl for stdin)")
+                             "\"id\" is numbered by its position, from 0; QA: or a SQuAD .json file (--format squad)")
+    parser.add_argument("--format", choices=["jsonl", "tsv", "squad"], default=None,
+                        help="input format (default: from the file suffix, .json a SQuAD file; jsonl for stdin); "
+                             "squad: a SQuAD v1.1/v2.0 file (answers optional) -> the official predictions.json "
+                             "{question id: answer} (v2.0 models: and OUTPUT's .null_odds.json, evaluate-v2.0.py's "
+                             "--na-prob-file)")
     parser.add_argument("--question", default=None, help="one QA question (with --context)")
     parser.add_argument("--context", default=None, help="the context of --question")
     parser.add_argument("--text", default=None, help="one text to classify")
@@ -89,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
         name = "the command line"
     else:
         src = args.input or "-"
-        fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else "jsonl")
+        fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else
+                              "squad" if src.endswith(".json") and p.task == "qa" else "jsonl")
+        if fmt == "squad":
+            return _predict_squad(p, src, args, kwargs)
         # errors="surrogateescape": a byte that is not UTF-8 reaches read_items, which names its line and column
         if src == "-":
             f = sys.stdin
@@ -136,4 +145,47 @@ def run(args: argparse.Namespace) -> int:
         print(f"bertrain predict: {tp.truncated} of {tp.examples} inputs were longer than {p.max_seq_length} tokens: "
               f"the model read their first {p.max_seq_length} (pairs: cut longest first, as in fine-tuning); "
               "--max-seq-length sets it, up to the model's positions", file=sys.stderr)
+    return 0
+
+
+def _predict_squad(p, src: str, args: argparse.Namespace, kwargs: dict) -> int:
+    """--format squad: every question of a SQuAD file -> the official predictions.json (and null odds)."""
+    from pathlib import Path
+
+    from bertrain.deploy.predict import batched, read_squad_items
+    from bertrain.utils.errors import writing
+    from bertrain.utils.io import atomic_write_json
+
+    if p.task != "qa":
+        raise ValueError(f"--format squad: {args.model} is a {p.task} model; a SQuAD file needs a QA model")
+    if src == "-" or not Path(src).is_file():
+        raise ValueError(f"--format squad: input file {src} does not exist (a SQuAD file is read whole: not stdin)")
+    items = read_squad_items(src)
+    if not items:
+        raise ValueError(f"{src} holds no questions: nothing to predict")
+    preds: dict[str, str] = {}
+    null_odds: dict[str, float] = {}
+    for chunk in batched(iter(items), args.batch_size * 8):
+        for rec in p.predict(chunk, **kwargs):
+            preds[rec["id"]] = rec["answer"]
+            if "null_score_diff" in rec:
+                null_odds[rec["id"]] = rec["null_score_diff"]
+    if args.output is None:
+        print(json.dumps(preds, ensure_ascii=False, indent=2))
+        if null_odds:
+            print("bertrain predict: give --output to write the null odds too (evaluate-v2.0.py's --na-prob-file)",
+                  file=sys.stderr)
+    else:
+        out = Path(args.output)
+        odds = out.with_name(out.name.removesuffix(".json") + ".null_odds.json")
+        with writing(f"writing the predictions to {out}", kept=f"{out} is unchanged" if out.exists() else None):
+            atomic_write_json(out, preds)
+            if null_odds:
+                atomic_write_json(odds, null_odds)
+        print(f"bertrain predict: {len(preds)} answers -> {out}" + (f", null odds -> {odds}" if null_odds else "")
+              + f" (score them: bertrain evaluate squad --data {src} --predictions {out}"
+              + (f" --na-prob-file {odds})" if null_odds else ")"), file=sys.stderr)
+    tp = p.throughput
+    print(f"bertrain predict: {tp.examples} questions in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
+          f"batch size {args.batch_size}, {args.backend})", file=sys.stderr)
     return 0

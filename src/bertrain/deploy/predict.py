@@ -337,6 +337,33 @@ def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any]
 
 # ----------------------------------------------------------------------------------------------- input files
 
+def read_squad_items(path: str) -> list[dict[str, Any]]:
+    """The questions of a SQuAD-format file (v1.1 / v2.0 JSON, or the Hub's layouts; answers optional, as in a hidden
+    test set) as QA items with their question ids, in file order: what Google's run_squad --do_predict reads, for
+    the official predictions.json. A question without text, a paragraph without a context or an id given twice (its
+    answers would overwrite each other) is a `ValueError` naming the file and the question."""
+    from bertrain.tasks.squad import load_dataset_json
+
+    data = load_dataset_json(path, scoring=False)
+    items: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for ai, article in enumerate(data["data"]):
+        for pi, para in enumerate(article["paragraphs"]):
+            context = para.get("context")
+            if not isinstance(context, str) or not context.strip():
+                raise ValueError(f"{path}: article {ai} paragraph {pi}: no 'context' text")
+            for qa in para["qas"]:
+                question = qa.get("question")
+                if not isinstance(question, str) or not question.strip():
+                    raise ValueError(f"{path}: question id {qa['id']}: no 'question' text")
+                if qa["id"] in seen:
+                    raise ValueError(f"{path}: question id {qa['id']} appears twice: its answers would overwrite each "
+                                     "other in predictions.json")
+                seen.add(qa["id"])
+                items.append({"id": qa["id"], "question": question, "context": context})
+    return items
+
+
 def read_items(f: TextIO, name: str, fmt: str, task: str, pair: bool | None = None,
                task_name: str | None = None) -> Iterator[dict[str, Any]]:
     """Items from JSONL (one object per line) or TSV (QA: question<TAB>context; classification:
