@@ -4,6 +4,7 @@ where its history says and ends with the best model; a store without held-out se
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def test_best_and_early_stopping_follow_the_history() -> None:
     h, stop = _history([0.5, 0.4, 0.3], patience=0)
     assert (h.best_step, stop, h.since_best) == (10, None, 2)  # patience 0: never stops
     # losses are minimised
-    assert not maximises("mlm_loss") and maximises("mlm_acc")
+    assert not maximises("mlm_loss") and maximises("mlm_acc") and not maximises("mlm_perplexity")
     h, stop = _history([3.0, 2.5, 2.6, 2.55], metric="mlm_loss", patience=2)
     assert (h.best_step, h.best_value, stop) == (20, 2.5, 3)
     # a target stops the run when reached (MLPerf's "time to 72% masked-LM accuracy")
@@ -112,7 +113,8 @@ def test_heldout_numbers_are_the_same_bits_on_one_and_two_ranks(heldout_store: P
         result = tmp_path / f"w{world}.json"
         spawn(_evaluate_on_ranks, world, str(heldout_store), str(tmp_path / "out"), str(result))
         got[world] = json.loads(result.read_text())
-    assert set(got[1]) == {"mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc"}
+    assert set(got[1]) == {"mlm_loss", "mlm_acc", "mlm_perplexity", "nsp_loss", "nsp_acc"}
+    assert got[1]["mlm_perplexity"] == pytest.approx(math.exp(got[1]["mlm_loss"]), rel=1e-12)
     assert got[1] == got[2]  # exact: every micro-batch is the same on both, added in the same order
     assert 0 <= got[1]["mlm_acc"] < 0.05 and got[1]["mlm_loss"] > 5  # an untrained model is at chance
 
@@ -237,7 +239,7 @@ def test_pretraining_refuses_an_nsp_metric_without_nsp(heldout_store: Path, tmp_
     cfg.write_text(json.dumps(_pretrain_config(heldout_store, tmp_path / "run", eval={"metric": "nsp_acc"},
                                                sample={"next_sentence": False})))
     assert main(["pretrain", "--config", str(cfg)]) == 2
-    assert "'nsp_acc' is not one of this task's metrics (mlm_acc, mlm_loss)" in capsys.readouterr().err
+    assert "'nsp_acc' is not one of this task's metrics (mlm_acc, mlm_loss, mlm_perplexity)" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

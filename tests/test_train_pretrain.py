@@ -31,7 +31,8 @@ def test_pretrain_on_builtin_corpus_two_processes_then_phase2(tmp_path: Path) ->
     assert [r["step"] for r in rows] == [2, 4, 6, 8]
     # the quickstart holds out a few python-docs documents: evaluated after the last step, on both ranks' share
     (ev,) = [r for r in records if r.get("event") == "eval"]
-    assert ev["step"] == 8 and set(ev["metrics"]) == {"mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc"}
+    assert ev["step"] == 8 and set(ev["metrics"]) == {"mlm_loss", "mlm_acc", "mlm_perplexity", "nsp_loss",
+                                                                    "nsp_acc"}
     for key in ("loss", "mlm_acc", "nsp_acc", "lr", "grad_norm", "loss_scale", "skipped_steps", "seq_per_s",
                 "tokens_per_s", "data_wait"):
         assert rows[-1][key] is not None, key

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,7 +236,8 @@ class PretrainingTask:
     @property
     def metric_names(self) -> tuple[str, ...]:
         """What `evaluate` returns (no NSP figures without NSP pairs): eval.metric is checked before the first step."""
-        return ("mlm_loss", "mlm_acc") + (("nsp_loss", "nsp_acc") if self.cfg.sample.next_sentence else ())
+        return ("mlm_loss", "mlm_acc", "mlm_perplexity") + (("nsp_loss", "nsp_acc") if self.cfg.sample.next_sentence
+                                                             else ())
 
     def heldout(self) -> HeldoutEvalSet:
         """The fixed evaluation set, built on first use (the same on every rank: a pure function of the store)."""
@@ -266,6 +268,8 @@ class PretrainingTask:
             if s[f"{g}_count"]:  # no NSP pairs without sample.next_sentence
                 out.update({f"{g}_loss": s[f"{g}_loss_sum"] / s[f"{g}_count"],
                             f"{g}_acc": s[f"{g}_correct"] / s[f"{g}_count"]})
+        if "mlm_loss" in out:  # HF run_mlm's figure: exp of the mean loss per masked token
+            out["mlm_perplexity"] = math.exp(min(out["mlm_loss"], 700.0))  # (capped: no float overflow)
         return out
 
     def build_loader(self, dist: DistInfo, plan: BatchPlan) -> Any:

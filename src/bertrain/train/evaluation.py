@@ -43,8 +43,9 @@ pruner). It must return the same on every rank."""
 
 
 def maximises(metric: str) -> bool:
-    """Losses are minimised, every other metric (accuracy, F1, MCC, Pearson, exact match) maximised."""
-    return not metric.endswith("loss")
+    """Losses and perplexities are minimised, every other metric (accuracy, F1, MCC, Pearson, exact match)
+    maximised."""
+    return not metric.endswith(("loss", "perplexity"))
 
 
 @dataclass
