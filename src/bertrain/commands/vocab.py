@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoding", default="utf-8",
                         help="encoding of text/JSONL inputs, e.g. latin-1 or cp1252 (default utf-8; a file that is "
                              "not text in it is refused)")
+    # The corpus settings of `bertrain prepare`: the vocabulary is trained on the text prepare keeps.
+    parser.add_argument("--min-document-chars", type=int, default=20,
+                        help="skip documents with fewer characters after cleaning (default 20, as prepare)")
+    parser.add_argument("--dedupe", action="store_true", help="skip exact duplicate documents (as prepare --dedupe)")
+    parser.add_argument("--keep-disambiguation", dest="skip_disambiguation", action="store_false",
+                        help="Wikipedia: keep disambiguation pages (as prepare --keep-disambiguation)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing vocab.txt in --output (the old one is moved aside, not deleted)")
 
@@ -34,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     path = train_vocab(args.input, args.output, vocab_size=args.vocab_size, lowercase=not args.cased,
                        min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet, overwrite=args.overwrite,
                        corpus=CorpusConfig(input_format=args.input_format, text_field=args.text_field,
-                                           encoding=args.encoding))
+                                           encoding=args.encoding, min_document_chars=args.min_document_chars,
+                                           dedupe=args.dedupe, skip_disambiguation=args.skip_disambiguation))
     stats = json.loads((path.parent / VOCAB_STATS).read_text(encoding="utf-8"))
     print(f"{path}\t{tokenizer_identity(path, not args.cased)}")
     print(f"{stats['num_tokens']} tokens from {stats['read']['documents']} documents "

@@ -121,13 +121,29 @@ def _clean_joined(text: str, kind: str, n_docs: int) -> list[list[str]]:
 # abbreviation check runs within cleaning's 0.03 s per MB (BENCHMARKS.md, batched cleaning) and
 # handles what matters for BERT's sentence-pair task: ., ! and ? followed by space and an upper-case letter,
 # digit or opening quote, except after common abbreviations, initials (J. R. R.) and dotted acronyms (U.S.).
-# A sentence end: end punctuation, closing quotes/brackets, whitespace (group 1), then a capital or digit.
-_SENTENCE_END_TAIL = r"[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de])"
-# A sentence end, or a paragraph/document mark (group 1 is None for a mark). Written to start with one character
-# class (a top-level alternation would not): CPython's re then scans for that class in C instead of trying a match
-# at every position. `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
-_BOUNDARY = re.compile(f"[{_PARA_MARK}{_DOC_MARK}.!?\u2026](?:(?<=[{_PARA_MARK}{_DOC_MARK}])|"
+# A sentence end: end punctuation, closing quotes/brackets, whitespace (group 2), then a capital or digit (beyond
+# Latin-1, any letter that is not lower case: Ł, Č, Ō, Greek and Cyrillic capitals, CJK: `_opens_sentence`).
+_OPENERS = "\"'\u2018\u201c(["
+_SENTENCE_END_TAIL = r"[\"'\u2019\u201d)\]]*(\s+)(?=[\"'\u2018\u201c(\[]?[A-Z0-9\u00c0-\u00de\u0100-\U0010ffff])"
+# CJK sentence ends (。！？), which no space follows: group 1 (empty) after them, unless a closing bracket or quote
+# follows (「本当？」と彼は言った。 is one sentence).
+_CJK_END = "\u3002\uff01\uff1f"
+# A sentence end, or a paragraph/document mark (groups 1 and 2 are None for a mark). Written to start with one
+# character class (a top-level alternation would not): CPython's re then scans for that class in C instead of
+# trying a match at every position. `[.!?\u2026]` then `[.!?\u2026]*` is the `[.!?\u2026]+` of a sentence end.
+_BOUNDARY = re.compile(f"[{_PARA_MARK}{_DOC_MARK}.!?\u2026{_CJK_END}](?:(?<=[{_PARA_MARK}{_DOC_MARK}])|"
+                       f"(?<=[{_CJK_END}])[{_CJK_END}!?]*()(?![\u300d\u300f\uff09)\u201d\u2019])|"
                        f"[.!?\u2026]*{_SENTENCE_END_TAIL})")
+
+
+def _opens_sentence(text: str, i: int) -> bool:
+    """Whether the text from `i` (after a sentence end's whitespace) starts a sentence: an optional opening quote or
+    bracket, then a capital or digit (beyond Latin-1: a letter that is not lower case)."""
+    c = text[i]
+    if c in _OPENERS and i + 1 < len(text):
+        c = text[i + 1]
+    return ("A" <= c <= "Z" or "0" <= c <= "9" or "\u00c0" <= c <= "\u00de"
+            or (c > "\u00ff" and c.isalpha() and not c.islower()))
 _ABBREVIATIONS = frozenset("""
 mr mrs ms dr prof sr jr st mt ft rev gen col lt sgt capt cmdr adm gov sen rep pres hon fr
 no nos vol vols fig figs eq eqs ch chap sec art p pp ed eds op cit cf ca approx est dept univ inc ltd co corp bros
@@ -160,6 +176,11 @@ def _split_marked(text: str, max_chars: int) -> list[list[str]]:
 
     for m in _BOUNDARY.finditer(text):
         end = m.start(1)
+        if end < 0:
+            end = m.start(2)
+            c = text[m.end()] if end >= 0 else "A"
+            if not ("A" <= c <= "Z" or "0" <= c <= "9") and not _opens_sentence(text, m.end()):
+                continue  # (the regex's class takes every character beyond Latin-1, and a quote before it)
         if end < 0:  # a paragraph or document mark
             emit(text[start:m.start()])
             if text[m.start()] == _DOC_MARK:

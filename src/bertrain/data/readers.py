@@ -183,7 +183,19 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
                 raise ValueError(f"unknown built-in corpus {spec!r}; available: {BUILTIN_PYTHON_DOCS}")
             out.append(spec)
         elif any(ch in spec for ch in "*?["):
-            matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+            # A folder it matches is read as a folder input (`corpora/*` with a folder per source, Hub language
+            # folders `wikipedia/20231101.*`); what it matches inside such a folder (`data/**` matches the folders
+            # and their files) is read with that folder, once.
+            matches: list[str] = []
+            folders: list[str] = []
+            for p in sorted(glob.glob(spec, recursive=True)):
+                if any(os.path.normpath(p).startswith(f) for f in folders):
+                    continue
+                if os.path.isfile(p):
+                    matches.append(p)
+                elif os.path.isdir(p):
+                    folders.append(os.path.join(os.path.normpath(p), ""))
+                    matches.extend(_folder_files(p))
             if not matches:
                 raise UserError(f"input glob {spec!r} matches no files")
             out.extend(matches)
@@ -526,5 +538,8 @@ def iter_documents(inputs: list[str], opts: CorpusConfig, report: SkipReport,
 
 
 def doc_hash(text: str) -> bytes:
-    """A 12-byte hash of a raw document's text (for `dedupe`)."""
+    """A 12-byte hash of a raw document's text (for `dedupe`), blind to what reading leaves around the same text:
+    the line end after a text file's document (none after the file's last line), CRLF line ends, a JSONL value's
+    lack of a final newline."""
+    text = text.replace("\r\n", "\n").strip()
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).digest()

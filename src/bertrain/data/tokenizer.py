@@ -52,10 +52,13 @@ def vocab_lines(text: str) -> list[str]:
 def read_vocab(vocab_file: str | os.PathLike) -> list[str]:
     """The tokens of a BERT vocab.txt, one per line, in id order (a clear error for a missing/empty file)."""
     path = Path(vocab_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"vocab file {path} does not exist (train one with `bertrain vocab` or pass a vocab.txt)")
+    if not path.is_file():  # a UserError (exit 2, one line), not FileNotFoundError (a traceback: exit 1)
+        raise UserError(f"vocab file {path} {'is a folder' if path.is_dir() else 'does not exist'}: train one "
+                        "with `bertrain vocab` or pass a vocab.txt")
     try:
         text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read vocab file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"vocab file {path} is not UTF-8 text: {e}") from None
     tokens = vocab_lines(text)
@@ -417,6 +420,11 @@ def train_vocab(inputs: Sequence[str | os.PathLike] | str, output_dir: str | os.
     inputs = [str(p) for p in inputs]
     if vocab_size < len(special_tokens) + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: it must exceed the {len(special_tokens)} special tokens")
+    if limit_alphabet < 1:  # 0: a vocabulary of the special tokens alone (every word [UNK]); < 0 cut it from the end
+        raise ValueError(f"limit_alphabet must be >= 1 (the most characters the vocabulary starts from), got "
+                         f"{limit_alphabet}")
+    if min_frequency < 0:  # (HF's trainer takes an unsigned count: a traceback)
+        raise ValueError(f"min_frequency must be >= 0, got {min_frequency}")
     opts = corpus or CorpusConfig()
     out_dir = Path(output_dir)
     out = out_dir / "vocab.txt"

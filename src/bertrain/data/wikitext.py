@@ -18,8 +18,15 @@ _KEEP_CONTENT_TAGS = frozenset("b i u s strong em span small big sup sub center 
                                "blockquote li dd dt p tt var kbd".split())
 _DROP_SECTIONS = frozenset({"references", "external links", "see also", "further reading", "notes", "bibliography",
                             "sources", "footnotes", "citations", "notes and references", "works cited"})
-_LINK_DROP_PREFIXES = ("file:", "image:", "category:", "media:", "wikt:", "wiktionary:", "s:", "commons:")
-_INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
+# Links MediaWiki does not show in the running text: files and images (their captions are no sentences of the
+# article), categories, and interlanguage links ([[de:Paris]]: listed in the sidebar). A link led by a colon
+# ([[:de:Paris|Paris]], [[:Category:X|X]]) is shown inline, as are links with a label to other projects
+# ([[wikt:brigand|brigand]]); those without a label would show their prefix ("wikt:brigand"), so are dropped.
+_LINK_DROP_PREFIXES = ("file:", "image:", "category:", "media:")
+_LABELLED_ONLY_PREFIXES = ("wikt:", "wiktionary:", "s:", "commons:")
+# A language prefix: "de:Paris", "zh-yue:..." (no space after the colon: "[[Ben-Hur: A Tale of the Christ]]" is an
+# article).
+_INTERWIKI = re.compile(r"^[a-z]{2,3}(-[a-z]+)?:(?! )")
 _LEFTOVER_REF = re.compile(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>|</?ref[^>]*>", re.IGNORECASE | re.DOTALL)
 _LEFTOVER_TAG = re.compile(r"</?[a-zA-Z][^<>]{0,200}>")
 _LEFTOVER_MARKUP = re.compile(r"\{\{|\}\}|\[\[|\]\]|\{\||\|\}|'{2,}")
@@ -29,6 +36,11 @@ _TABLE_LINE = re.compile(r"^\s*(\{\||\|\}|\|-|\||!)")
 
 
 _PRE_COMMENT = re.compile(r"<!--.*?(-->|$)", re.DOTALL)
+# Behaviour switches (__NOTOC__, __TOC__, __NOEDITSECTION__, ...): page settings, never shown as text.
+# Only MediaWiki's own: "__FILE__" in an article on C is text.
+_MAGIC_WORD = re.compile(r"__(?:NOTOC|FORCETOC|TOC|NOEDITSECTION|NEWSECTIONLINK|NONEWSECTIONLINK|NOGALLERY|HIDDENCAT|"
+                         r"EXPECTUNUSEDCATEGORY|NOCONTENTCONVERT|NOCC|NOTITLECONVERT|NOTC|INDEX|NOINDEX|"
+                         r"STATICREDIRECT|DISAMBIG|NOGLOBAL|EXPECTUNUSEDTEMPLATE|START|END)__")
 _PRE_REF = re.compile(r"<ref\b[^>]*/>|<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
 _BRACES = re.compile(r"\{\{|\}\}")
 
@@ -61,11 +73,17 @@ def _remove_templates(text: str) -> str:
 _PRE_LINK = re.compile(r"\[\[([^\[\]{}<>|\n]+)(?:\|([^\[\]{}<>\n]*))?\]\]")
 
 
+def _hidden_link(title: str, labelled: bool) -> bool:
+    """Whether a wikilink to `title` shows nothing in the article's text (see `_LINK_DROP_PREFIXES`)."""
+    low = title.lower()
+    return low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low) is not None or (
+        not labelled and low.startswith(_LABELLED_ONLY_PREFIXES))
+
+
 def _link_text(m: re.Match) -> str:
     """What `_render_node` gives for a plain wikilink, done on the source text (see `strip_wiki_markup`)."""
     title, text = m.group(1).strip(), m.group(2)
-    low = title.lower()
-    if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
+    if _hidden_link(title, text is not None):
         return ""
     if text is not None:
         return text
@@ -103,6 +121,8 @@ def _remove_tables(text: str) -> str:
 def strip_wiki_markup(wikitext: str) -> str:
     """MediaWiki markup -> plain text, one paragraph per line (headings and tail sections dropped)."""
     wikitext = _remove_templates(_PRE_REF.sub("", _PRE_COMMENT.sub("", wikitext)))
+    if "__" in wikitext:
+        wikitext = _MAGIC_WORD.sub("", wikitext)
     # Plain [[title|text]] links are most of the remaining nodes, and mwparserfromhell's Python builder spends
     # ~3 us per node: replacing them by their text with one regex first halves what is left of the parse (same
     # rules as `_render_node`; the text stays wikitext, so entities and leftovers are handled as before).
@@ -148,8 +168,7 @@ def _render_node(node) -> str:
         return node.value
     if isinstance(node, N.Wikilink):
         title = str(node.title).strip()
-        low = title.lower()
-        if low.startswith(_LINK_DROP_PREFIXES) or _INTERWIKI.match(low):
+        if _hidden_link(title, node.text is not None):
             return ""
         if node.text is not None:
             return _render(node.text)
