@@ -8,27 +8,16 @@ import os
 
 import pytest
 
-from bertrain.cli import main as cli_main
 from bertrain.data.readers import CorpusConfig, SkipReport, doc_hash, iter_documents, iter_raw_documents, \
     resolve_inputs
 from bertrain.data.tokenizer import VOCAB_STATS
 from bertrain.data.wikitext import strip_wiki_markup
 from conftest import shared_file
+from test_data_reliability import one_line_error, run_cli
 
 WIKI = "wiki/enwiki-sample-pages-articles.xml.bz2"
 
 
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = cli_main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------------------------- wiki markup
