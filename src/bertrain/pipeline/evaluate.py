@@ -7,7 +7,8 @@ The scores themselves come from the fine-tuning stages (`run_glue` / `run_squad`
 official metrics and write eval_results.json); this stage only collects them, so its results.json is the same
 bytes whenever the runs are (no timings in it). It also records how the dev set was used to select: each task's
 search (every trial, the chosen settings: `bertrain.pipeline.search`) and whether each run's final model is its
-best dev evaluation (eval.final: best), since either makes the dev scores optimistic.
+best dev evaluation (eval.final: best) or stopped where a dev evaluation said (eval.patience, eval.target:
+`stopped_on_dev`), since each makes the dev scores optimistic.
 """
 from __future__ import annotations
 
@@ -136,7 +137,13 @@ def summarize(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
                 task_name = "squad" if task.kind == "squad" else results["task"]
                 dev_counts = results  # what every run of the task shares: SQuAD v2.0's count of unanswerables
                 if "selection" in results:
-                    final_model = {k: results["selection"][k] for k in ("metric", "final")}
+                    final_model = {**{k: results["selection"][k] for k in ("metric", "final")},
+                                   **(final_model or {})}
+                    # early stopping or eval.target: a dev evaluation decided where the run stopped, so even its
+                    # last model was chosen on dev (before, the report said the dev set did not choose it)
+                    reason = results["selection"].get("stop_reason")
+                    if reason:
+                        final_model.setdefault("stopped_on_dev", {})[f"{init} seed {seed}"] = reason
                 for key, value in _scores(task.kind, results).items():
                     per.setdefault(key, {}).setdefault(init, {})[str(seed)] = value
                 for split, m in results.items():

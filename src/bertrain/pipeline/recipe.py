@@ -197,6 +197,17 @@ def _recipe_message(message: str, sections: list[tuple[str, dict[str, Any]]]) ->
         return f"recipe key '{name}.{key}'"
 
     out = re.sub(r"(config key|config keys) '([A-Za-z_][\w.]*)'", blame, message)
+    if "config keys '" in message:  # the other keys of a list ("..., 'train.epochs' and 'train.max_time'"): those
+        # the recipe set are named with their section too (before: only the first, often a default, was)
+
+        def blame_more(m: re.Match) -> str:
+            name = section_of(m.group(2))
+            if name is None:
+                return m.group(0)
+            blamed.append(name)
+            return f"{m.group(1)}'{name}.{m.group(2)}'"
+
+        out = re.sub(r"(, | and | != )'([A-Za-z_][\w.]*)'", blame_more, out)
     head = re.match(r"([A-Za-z_]\w*): ([A-Za-z_]\w*) ", message)  # "sample: max_predictions_per_seq must be ..."
     if out == message and head and section_of(f"{head.group(1)}.{head.group(2)}"):
         name = section_of(f"{head.group(1)}.{head.group(2)}")
@@ -340,6 +351,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
             if isinstance(task, dict) and task.get("search") is not None:
                 # first on its own: from_dict reports an error inside an Optional section without its key
                 parse_search(task["search"], f"finetune[{i}].search")
+            if isinstance(task, dict):  # a task's own checks name 'seeds' / 'name': say which task's
+                try:
+                    from_dict(TaskSection, task, prefix=f"finetune[{i}]")
+                except ValueError as e:
+                    raise ValueError(re.sub(r"config key '(?!finetune\[)([\w.]+)'", rf"config key 'finetune[{i}].\1'",
+                                            str(e))) from None
         return from_dict(Recipe, data)
     except ValueError as e:
         message = str(e).replace("config key", "recipe key")

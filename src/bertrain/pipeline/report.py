@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from importlib import metadata
@@ -373,6 +374,12 @@ def _selection_notes(results: dict[str, Any]) -> list[str]:
             notes.append(f"{task['name']}: each run ends with its best dev evaluation (eval.final: best, by "
                          f"{fm['metric']}): the dev set chose the model it then scores, so these dev scores are "
                          "optimistic.")
+        elif fm and fm.get("stopped_on_dev"):
+            stopped = fm["stopped_on_dev"]
+            notes.append(f"{task['name']}: each run ends with its last model (eval.final: last), but "
+                         f"{len(stopped)} run{'s' * (len(stopped) != 1)} stopped early on a dev evaluation "
+                         f"({', '.join(stopped)}; {next(iter(stopped))}: {next(iter(stopped.values()))}): the dev "
+                         "set chose where they stopped, so their dev scores are optimistic.")
         elif fm:
             notes.append(f"{task['name']}: each run ends with its last model (eval.final: last): the dev set did not "
                          "choose it; the dev evaluations while training are shown as curves only.")
@@ -409,10 +416,12 @@ def _run_curves(stages: list[Any], task: str, results_task: dict[str, Any] | Non
     chosen = {init: b["chosen"] for init, b in
               ((results_task or {}).get("search") or {}).get("by_init", {}).items()}
     for s in stages:
-        for prefix, into in ((f"finetune-{task}-", runs), (f"search-{task}-", trials)):
-            if not s.name.startswith(prefix) or s.config is None:
+        for prefix, into, kind in ((f"finetune-{task}-", runs, "s"), (f"search-{task}-", trials, "t")):
+            # the whole name: a prefix alone took task `a-b`'s stages into task `a`'s curves as well
+            match = re.fullmatch(re.escape(prefix) + rf"(pretrained|random)-({kind}-?\d+)", s.name)
+            if match is None or s.config is None:
                 continue
-            init, _, tail = s.name[len(prefix):].rpartition("-")
+            init, tail = match.groups()
             metrics = Path(s.config.output_dir) / "metrics.jsonl"
             entry = {"init": init, "evals": _eval_rows(metrics), "rows": _metrics_rows(metrics)}
             if into is runs:

@@ -174,11 +174,13 @@ def build_stages(recipe: Recipe) -> list[Stage]:
     run = recipe.run_dir
     vocab_file = run / "vocab" / "vocab.txt"
     stages = [vocab_stage(recipe), prepare_stage(recipe, vocab_file)]
-    stages += pretrain_stages(recipe, vocab_file, Path(stages[-1].config.output))
+    phases = pretrain_stages(recipe, vocab_file, Path(stages[-1].config.output))
+    stages += phases
     pretrained = stages[-1]  # the last pretraining phase: fine-tuning starts from its final/ weights
+    architecture = architecture_config([p.config for p in phases])
     finetunes: list[Stage] = []
     for i in range(len(recipe.finetune)):
-        task_stages = finetune_stages(recipe, i, pretrained, vocab_file)
+        task_stages = finetune_stages(recipe, i, pretrained, vocab_file, architecture)
         stages += task_stages
         finetunes += [s for s in task_stages if s.parallel]
     if finetunes:
@@ -246,6 +248,22 @@ def pretrain_stages(recipe: Recipe, vocab_file: Path, prepared: Path) -> list[St
     return stages
 
 
+def architecture_config(phases: list[Any]) -> Any:
+    """The config that builds the model the last pretraining phase ends with, from no weights: phase 1's model
+    section (a later phase starts from the earlier one's weights, which keep their shape: its architecture keys are
+    not read) with the dropout of the last phase that sets one (a later phase's dropout applies to the loaded
+    model). The random initialisation copies it, and fine-tuning checks its positions, before any phase has run.
+    Before, phase 2's own model section was used: with the architecture set under phase1 (phase1.model.*), the
+    random-init model was the preset's, not the pretrained one's (4 layers against 2), and with phase 2's weights
+    not there yet its positions were unknown, so a max_seq_length over them was not refused before any work."""
+    first = phases[0]
+    model = dataclasses.replace(first.model, init=None)
+    for cfg in phases[1:]:
+        if cfg.model.dropout is not None:
+            model = dataclasses.replace(model, dropout=cfg.model.dropout)
+    return dataclasses.replace(first, model=model)
+
+
 def _pretrain_work(cfg: Any, stage: Stage, dist: DistInfo) -> dict[str, Any]:
     result = run_pretraining(cfg, resume="auto")
     if result.stopped_by_signal:
@@ -262,14 +280,26 @@ def _pretrain_summary(out: Path) -> dict[str, Any]:
     if not rows:
         return {}
     last = rows[-1]
-    return {"steps": last.get("step"), "seq_per_s": sum(r["seq_per_s"] for r in rows) / len(rows),
-            "tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in rows) / len(rows),
+    # each log interval's rate weighted by its time: the sequences (tokens) of all intervals over their time. The
+    # plain mean of the rates (before) weighs a slow interval as much as a fast one of the same length, so it
+    # overstated the throughput whenever the rate varied (e.g. 100 then 50 seq/s over 100 sequences each: 66.7
+    # seq/s, not 75).
+    weights = [r.get("elapsed_s") or 0.0 for r in rows]
+    if not all(w > 0 for w in weights):
+        weights = [1.0] * len(rows)  # records without a time: the plain mean
+
+    def rate(key: str) -> float:
+        return sum(w * (r.get(key) or 0.0) for w, r in zip(weights, rows)) / sum(weights)
+
+    return {"steps": last.get("step"), "seq_per_s": rate("seq_per_s"), "tokens_per_s": rate("tokens_per_s"),
             "final_loss": last.get("loss"), "mlm_acc": last.get("mlm_acc"), "nsp_acc": last.get("nsp_acc")}
 
 
-def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: Path) -> list[Stage]:
+def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: Path,
+                    architecture: Any = None) -> list[Stage]:
     """Task `index`: its data stage (built-in task only), its search trials (with a `search`), then one fine-tuning
-    run per initialisation (pretrained, and random with `random_init`) and seed."""
+    run per initialisation (pretrained, and random with `random_init`) and seed. `architecture`: the config that
+    builds the pretrained model's architecture from no weights (`architecture_config`; default: the last phase's)."""
     task, run = recipe.finetune[index], recipe.run_dir
     stages: list[Stage] = []
     data_dir = None
@@ -280,7 +310,8 @@ def finetune_stages(recipe: Recipe, index: int, pretrained: Stage, vocab_file: P
                                         "min_chars": downstream.MIN_CHARS},
                             {"python": f"{sys.version.split()[0]} {sys.platform}"},
                             ("data/train.tsv", "data/dev.tsv"), functools.partial(_task_data_work, data_dir)))
-    ctx = _TaskContext(recipe, index, task, data_dir, pretrained, vocab_file, tuple(s.name for s in stages))
+    ctx = _TaskContext(recipe, index, task, data_dir, pretrained, vocab_file, tuple(s.name for s in stages),
+                       architecture if architecture is not None else architecture_config([pretrained.config]))
     for init_kind in ("pretrained", "random") if task.random_init else ("pretrained",):
         # Why this design: each initialisation chooses its own settings (a random-init model may want another
         # learning rate; settings chosen for one side only would tilt the comparison), the trials run on the first
@@ -304,6 +335,8 @@ class _TaskContext:
     pretrained: Stage
     vocab_file: Path
     task_deps: tuple[str, ...]
+    architecture: Any
+    """The config that builds the pretrained model's architecture from no weights (`architecture_config`)."""
 
     def init(self, init_kind: str, seed: int, folder: Path) -> tuple[Path, Optional[Callable[[Stage], None]],
                                                                        dict[str, Any], tuple[str, ...]]:
@@ -311,7 +344,7 @@ class _TaskContext:
         of a run from `init_kind` weights with `seed`."""
         run = self.recipe.run_dir
         final = run / self.pretrained.name / "final"
-        arch_cfg = self.pretrained.config  # the architecture a random initialisation copies
+        arch_cfg = self.architecture  # the architecture a random initialisation copies
         deps = (("vocab",) if init_kind == "random" else (self.pretrained.name,)) + self.task_deps
         if init_kind == "random":  # the architecture of the pretrained model, initialised with the seed
             return (folder / "init", functools.partial(_random_init, folder / "init", arch_cfg, seed, self.vocab_file),
@@ -332,7 +365,7 @@ class _TaskContext:
             if cfg.eval.metric not in known:
                 raise UserError(f"recipe key finetune[{self.index}].config.eval.metric: {cfg.eval.metric!r} is not "
                                 f"one of this task's metrics ({', '.join(known)})")
-        positions = model_positions(self.pretrained.config)  # the same check, for the model pretraining makes
+        positions = model_positions(self.architecture)  # the same check, for the model pretraining makes
         length = getattr(cfg.data, "max_seq_length", None)
         if positions is not None and length is not None and length > positions:
             raise UserError(f"recipe key finetune[{self.index}].config.data.max_seq_length: {length} exceeds the "
@@ -429,7 +462,7 @@ def _search_plan(ctx: _TaskContext, init_kind: str) -> _SearchPlan:
     flat = flatten(to_dict(base))
     integer = frozenset(k for k in search.search_keys(s) if isinstance(flat.get(k), int)
                         and not isinstance(flat.get(k), bool))
-    variants = tuple(build(p) for p in search.candidate_points(canonical))
+    variants = tuple(build(p) for p in search.candidate_points(canonical, integer))
     return _SearchPlan(canonical, params_key, maximises(metric), integer, trials, variants)
 
 
@@ -698,6 +731,9 @@ def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
         return Decision("skip", "complete; settings and inputs unchanged")
     if started is not None:
         if started.get("hash") == stage.hash:
+            if moved:  # a stage it read runs again (e.g. an output of it was changed or removed): the cut attempt
+                # began from what that stage left before, so it starts over, as a complete one would (before: resumed)
+                return Decision("redo", f"interrupted, and stage {moved[0]} runs again")
             return Decision("resume", "interrupted: continues where it stopped")
         return Decision("redo", "interrupted, and since then " + _what_changed(started.get("parts", {}), stage.parts))
     if stage.folder.exists() and any(stage.folder.iterdir()):
@@ -800,12 +836,13 @@ def check_batches(stages: list[Stage], world_size: int) -> None:
     """Every engine stage's batch plan at this world size, checked before any work (the engine checks it only when
     its stage starts, maybe hours in)."""
     for s in stages:
-        for cfg in (s.config, *s.variants) if s.parallel else ():
+        for i, cfg in enumerate((s.config, *s.variants) if s.parallel else ()):
             try:
                 resolve_batch(cfg.train, world_size)
             except ValueError as e:
-                raise UserError(f"stage {s.name}: {e} (on {world_size} process{'es' if world_size > 1 else ''}; "
-                                "set its batch keys in the recipe)") from None
+                which = "" if i == 0 else ", with a value its search may try (change the search's values or range)"
+                raise UserError(f"stage {s.name}{which}: {e} (on {world_size} process{'es' if world_size > 1 else ''}"
+                                "; set its batch keys in the recipe)") from None
 
 
 def check_settings(recipe: Recipe, stages: list[Stage]) -> DistributedConfig:
