@@ -321,3 +321,26 @@ def test_a_redo_names_the_nested_key_that_changed_not_a_cut_section(tmp_path):
     two = stages(["finetune=" + yaml.safe_dump([task, {**task, "name": "again"}])])
     assert _what_changed(base["report"].parts, two["report"].parts).startswith(
         "recipe.finetune (length): 1 -> 2; recipe.finetune[1].config.data.max_seq_length: None -> 64; ")
+
+
+def test_keys_added_since_do_not_redo_a_run_folder_of_before(tmp_path):
+    """A run folder of an older bertrain is not redone for a key added since at the value that changes nothing
+    (`optim.init_state` unset; `sample.document_separator` in an NSP run): the shipped recipe's stage settings
+    hash as they did before those keys existed (digests of the code of 2026-11-27, before them). A packing run's
+    separators change its rows: hashed."""
+    from bertrain.pipeline.stages import _digest
+
+    before = {"prepare": "036021eab368c93ba4c776eb10ef8e1a55b22d2cb2e2d7b66cc7a55de6954fbf",
+              "pretrain-phase1": "e135d7e2b0d3e392a28011473660a745169fc36a00ad7aa653a8011a83f89dde",
+              "pretrain-phase2": "5b7b69174939f0d64de51b76b6d151a6e7ed405ee42f75ed262e91364815e22f",
+              "finetune-pydoc-topics-pretrained-s1": "09ba7218ee646c45723ccce394eebb618f60d8a5b7cd09fa7824398d6e6291a0",
+              "finetune-pydoc-topics-random-s3": "dee8c24c9ca13ed4db285f4690cfbcff6d6deaa2a549e453d786f036e198cae5"}
+    stages = {s.name: s for s in build_stages(load_recipe(DEFAULT, [f"output_dir={tmp_path / 'run'}"]))}
+    assert {name: _digest(stages[name].settings) for name in before} == before
+    packing = {s.name: s for s in build_stages(load_recipe(DEFAULT, [
+        f"output_dir={tmp_path / 'run'}", "pretrain.sample.next_sentence=false"]))}
+    assert packing["pretrain-phase1"].settings["sample.document_separator"] is True
+    moments = {s.name: s for s in build_stages(load_recipe(DEFAULT, [
+        f"output_dir={tmp_path / 'run'}", "phase2.optim.init_state=phase1"]))}
+    assert moments["pretrain-phase2"].settings["optim.init_state"] == "$RUN/pretrain-phase1"
+    assert _digest(moments["pretrain-phase1"].settings) == before["pretrain-phase1"]

@@ -106,14 +106,26 @@ stage leaves behind: where a time budget stopped it, which evaluations ran (and 
 kept, and the curves of the report), the dev and test results. They count in a stage's hash."""
 
 
+NEUTRAL_KEYS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "optim.init_state": lambda value, flat: value is None,
+    "sample.document_separator": lambda value, flat: flat.get("sample.next_sentence", True) is not False,
+}
+"""Keys added to the engine after run folders existed, and when they change nothing (unset; a packing key in an NSP
+run): then left out of the hash, so that a run folder of an older bertrain is not redone for a key it could not
+have had. A value that changes the result is hashed (a packing run's separators: its rows change)."""
+
+
 def _settings(cfg: Any, run_dir: Path, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """The hashed part of an engine config: flat keys, without those that keep the result exact (EXACT_KEYS but
     RESULT_KEYS), with the run folder written as $RUN (moving a run folder redoes nothing)."""
     root = str(run_dir)
     out = {}
-    for key, value in flatten(to_dict(cfg)).items():
+    flat = flatten(to_dict(cfg))
+    for key, value in flat.items():
         if key not in RESULT_KEYS and \
                 any(key == k or (k.endswith(".") and key.startswith(k)) for k in EXACT_KEYS + drop):
+            continue
+        if key in NEUTRAL_KEYS and NEUTRAL_KEYS[key](value, flat):
             continue
         if isinstance(value, str) and value.startswith(root):
             value = "$RUN" + value[len(root):]
