@@ -214,3 +214,17 @@ def test_a_pretraining_stages_throughput_is_its_sequences_over_its_time(tmp_path
     assert summary["seq_per_s"] == pytest.approx(200 / 3.0)
     assert summary["tokens_per_s"] == pytest.approx(200 * 128 / 3.0)
     assert (summary["steps"], summary["final_loss"]) == (20, 1.5)
+
+
+def test_the_downstream_task_has_no_text_on_both_sides_of_the_split():
+    """Docstrings that are the same text for an uncased model ("Return true if and only if the internal flag is
+    true." in threading, "Return True if ..." in asyncio) were one in train and one in dev: now one example."""
+    from bertrain.pipeline.downstream import is_dev, same_text_key, stdlib_docstrings
+
+    rows = stdlib_docstrings()
+    keys = [same_text_key(text) for text, _ in rows]
+    assert len(keys) == len(set(keys)) > 1000
+    train = {k for k, (text, _) in zip(keys, rows) if not is_dev(text)}
+    assert not [k for k, (text, _) in zip(keys, rows) if is_dev(text) and k in train]
+    assert same_text_key("Return True if, and only if, the flag is set.") == \
+        same_text_key("return true if and only if the flag is set")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import sysconfig
 from pathlib import Path
 
@@ -58,11 +59,19 @@ def _topic_of(rel: Path) -> str | None:
     return next((t for t, mods in TOPICS.items() if top in mods), None)
 
 
+def same_text_key(text: str) -> str:
+    """What two docstrings that are the same text for an uncased model share: lower case, letters and digits only
+    ("Return true if and only if the internal flag is true." in threading and "Return True if ..." in asyncio)."""
+    return re.sub(r"[\W_]+", "", text.lower())
+
+
 def stdlib_docstrings(root: Path | None = None) -> list[tuple[str, str]]:
     """(docstring, topic) for every docstring of a module, class or function in the topics' modules, in a fixed
-    order, each text once (whitespace collapsed; a text seen under two topics is dropped)."""
+    order, each text once: whitespace collapsed, and texts that differ only in case, punctuation or spacing
+    (`same_text_key`) counted as one, its first form kept; a text seen under two topics is dropped."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    seen: dict[str, str | None] = {}
+    seen: dict[str, str | None] = {}  # same_text_key -> topic (None: ambiguous)
+    first: dict[str, str] = {}  # same_text_key -> the text as first seen
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if rel.parts[0] == "site-packages":
@@ -80,15 +89,18 @@ def stdlib_docstrings(root: Path | None = None) -> list[tuple[str, str]]:
                 text = " ".join((doc or "").split())
                 if len(text) < MIN_CHARS:
                     continue
-                if text in seen and seen[text] != topic:
-                    seen[text] = None  # ambiguous: in two topics
+                key = same_text_key(text)
+                if key in seen and seen[key] != topic:
+                    seen[key] = None  # ambiguous: in two topics
                 else:
-                    seen.setdefault(text, topic)
-    return [(text, topic) for text, topic in seen.items() if topic is not None]
+                    seen.setdefault(key, topic)
+                    first.setdefault(key, text)
+    return [(first[key], topic) for key, topic in seen.items() if topic is not None]
 
 
 def is_dev(text: str) -> bool:
-    """The held-out quarter: chosen by a hash of the text, so the split never depends on order or seed."""
+    """The held-out quarter: chosen by a hash of the text, so the split never depends on order or seed (a text
+    and its same-text forms are one example: `stdlib_docstrings` keeps one, so none is on both sides)."""
     return hashlib.sha256(text.encode("utf-8")).digest()[0] % 4 == 0
 
 
