@@ -226,3 +226,20 @@ def write_positional_store(out: Path, counts, lengths, subword_every: int = 0) -
     (out / "store.json").write_text(json.dumps(meta), encoding="utf-8")
     (out / "stats.json").write_text("{}", encoding="utf-8")  # marks the folder complete
     return out
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """`bertrain ARGV` in this process: (exit code, stdout, stderr)."""
+    from bertrain.cli import main as cli_main
+
+    capsys.readouterr()
+    code = cli_main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(err: str) -> str:
+    """The one line of a user error (asserting there is one, and no traceback)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -13,7 +13,7 @@ from bertrain.data.readers import CorpusConfig, SkipReport, doc_hash, iter_docum
 from bertrain.data.tokenizer import VOCAB_STATS
 from bertrain.data.wikitext import strip_wiki_markup
 from conftest import shared_file
-from test_data_reliability import one_line_error, run_cli
+from helpers import one_line_error, run_cli
 
 WIKI = "wiki/enwiki-sample-pages-articles.xml.bz2"
 

@@ -21,7 +21,6 @@ from tokenizers import Tokenizer, models, trainers
 import bertrain.data.prepare as prep
 import bertrain.data.progress as progress_mod
 import bertrain.data.tokenizer as tokmod
-from bertrain.cli import main as cli_main
 from bertrain.data.prepare import PrepareConfig, prepare
 from bertrain.data.progress import Progress
 from bertrain.data.readers import CorpusConfig, SkipReport, iter_documents
@@ -30,7 +29,7 @@ from bertrain.data.tokenizer import SPECIAL_TOKENS, VOCAB_STATS, WordCounter, _b
 from bertrain.utils.errors import OutputError, UserError
 from bertrain.utils.rundir import OutputLock, lock_path
 from conftest import REPO, shared_file
-from helpers import EDGE_CASES, TINY_VOCAB, digest, prepare_config
+from helpers import EDGE_CASES, TINY_VOCAB, digest, one_line_error, prepare_config, run_cli
 
 # Pangrams: every letter in a handful of words, so many pairs are equally frequent (ties everywhere). HF's trainer
 # alone gave another vocabulary on almost every run of this text.
@@ -41,17 +40,6 @@ LATIN1_TEXT = ("Le café est très bon à Noël. Une phrase en français, déjà
                "Ça coûte cher, dit l'élève naïf. Où est la forêt?\n\n") * 20
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = cli_main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def vocab_in_subprocess(inputs: list[str], out: Path, threads: int, hashseed: int, *extra: str) -> bytes:

@@ -207,9 +207,9 @@ def test_a_pruned_trial_stops_at_the_pruners_evaluation_and_is_recorded_as_prune
 
 # ----------------------------------------------------------------------------------------------- end to end
 
-# The default recipe made small: a short pretraining, 256 labelled examples for 2 epochs, one seed, pretrained only.
+# The default recipe made small: a short pretraining, its 800 labelled examples for 2 epochs, one seed, pretrained only.
 SMALL = ["phase1.train.steps=10", "phase2.train.steps=2", "finetune[0].seeds=[1]", "finetune[0].random_init=false",
-         "finetune[0].config.data.max_train_examples=256", "finetune[0].config.train.epochs=2",
+         "finetune[0].config.data.max_train_examples=800", "finetune[0].config.train.epochs=2",
          "finetune[0].search={grid: {optim.lr: [1.0e-6, 2.0e-3]}}"]
 
 
@@ -224,7 +224,7 @@ def test_a_two_trial_grid_picks_the_better_trial_runs_it_and_reports_it(tmp_path
               for k in (1, 2)]
     assert [t["params"]["optim.lr"] for t in trials] == [1e-6, 2e-3]
     assert all(t["state"] == "complete" and len(t["curve"]) == 2 for t in trials)
-    # lr 1e-6 barely moves the model in 16 steps; 2e-3 does: the trials differ, and the better one is chosen
+    # lr 1e-6 barely moves the model in 50 steps; 2e-3 does: the trials differ, and the better one is chosen
     assert trials[1]["value"] > trials[0]["value"]
     final = out / "finetune-pydoc-topics-pretrained-s1"
     assert yaml.safe_load((final / "stage-config.yaml").read_text())["optim"]["lr"] == 2e-3

@@ -37,7 +37,7 @@ from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.glue import TASKS as GLUE_TASKS
 from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
-                                  postprocess_predictions)
+                                  load_dataset_json, postprocess_predictions)
 from bertrain.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -342,8 +342,6 @@ def read_squad_items(path: str) -> list[dict[str, Any]]:
     test set) as QA items with their question ids, in file order: what Google's run_squad --do_predict reads, for
     the official predictions.json. A question without text, a paragraph without a context or an id given twice (its
     answers would overwrite each other) is a `ValueError` naming the file and the question."""
-    from bertrain.tasks.squad import load_dataset_json
-
     data = load_dataset_json(path, scoring=False)
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
