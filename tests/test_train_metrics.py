@@ -63,3 +63,39 @@ def test_records_are_standard_json_with_nested_nan_as_null(tmp_path: Path) -> No
     line = (tmp_path / "metrics.jsonl").read_text().strip()
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}")) == {
         "step": 1, "loss": None, "event": "eval", "metrics": {"pearson": None, "acc": 0.5}, "curve": [1.0, None]}
+
+
+def test_checkpoint_and_evaluation_time_are_not_counted_as_training_throughput(tmp_path, monkeypatch) -> None:
+    """A checkpoint write (or an evaluation) inside a log interval was counted in that interval's elapsed_s, so its
+    seq/s and tokens/s fell with the checkpoint's size. A fake clock that the save advances by 1000 s shows it."""
+    import json
+
+    from bertrain.config import from_dict
+    from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
+    from bertrain.train import checkpoint as ckpt
+    from bertrain.train import trainer
+
+    clock = [0.0]
+    real = trainer.time.perf_counter
+
+    def fake() -> float:
+        return real() + clock[0]
+
+    save = ckpt.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        clock[0] += 1000.0  # a checkpoint that takes 1000 s
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.time, "perf_counter", fake)
+    monkeypatch.setattr(ckpt, "save_checkpoint", slow_save)
+    cfg = from_dict(PretrainConfig, {
+        "model": {"preset": "tiny"}, "data": {"synthetic_samples": 64, "vocab_size": 100},
+        "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
+        "train": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 8, "log_interval": 3},
+        "checkpoint": {"save_interval": 2}, "output_dir": str(tmp_path / "run")})
+    run_pretraining(cfg)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "seq_per_s" in r]
+    assert [r["step"] for r in steps] == [3, 6]
+    assert all(r["elapsed_s"] < 500 for r in steps), [r["elapsed_s"] for r in steps]

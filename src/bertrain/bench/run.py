@@ -1,6 +1,7 @@
 """One `bertrain bench` run: the options, each mode timed (ours and HF interleaved), the JSON result and its table."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 from dataclasses import asdict, dataclass
@@ -13,7 +14,7 @@ from bertrain.bench.batches import flop_formula, model_flops, pretraining_batch,
 from bertrain.bench.steps import (DTYPES, bench_optimizer, build_hf, make_inference_step, make_train_step,
                                   optimizer_form, pretrain_forward, qa_forward, split_qkv)
 from bertrain.bench.timing import Side, matmul_peak, time_interleaved
-from bertrain.model.bert import BertConfig, BertForPreTraining, BertForQuestionAnswering
+from bertrain.model.bert import PRESETS, BertConfig, BertForPreTraining, BertForQuestionAnswering
 from bertrain.model.options import ModelOptionsConfig, apply_model_options
 from bertrain.utils.memory import TRAINING_MMAP_THRESHOLD, TRAINING_TRIM_THRESHOLD, keep_freed_memory
 
@@ -69,8 +70,16 @@ class BenchConfig:
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        if self.model not in PRESETS:  # found here, not after the matmul peak and a model build
+            raise ValueError(f"--model {self.model!r}: choose a preset: {', '.join(PRESETS)}")
         if self.batch_size < 1 or (self.seq_len is not None and self.seq_len < 8):
             raise ValueError("--batch-size must be >= 1 and --seq-len >= 8")
+        positions = BertConfig.from_preset(self.model).max_position_embeddings
+        if self.seq_len is not None and self.seq_len > positions:
+            raise ValueError(f"--seq-len {self.seq_len}: the {self.model} model has {positions} positions "
+                             f"(max_position_embeddings); use --seq-len {positions} or less")
+        if self.compare == "hf" and importlib.util.find_spec("transformers") is None:  # else a traceback, exit 1
+            raise ValueError("--compare hf needs the transformers package: pip install 'bertrain[bench]'")
         if self.steps is not None and self.steps < 1:
             raise ValueError("--steps must be >= 1")
         if self.warmup is not None and self.warmup < 0:  # range(-2) would silently time cold steps

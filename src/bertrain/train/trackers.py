@@ -116,13 +116,27 @@ class TensorBoardTracker:
 
     def __init__(self, out: Path, resume_step: int | None) -> None:
         self.out, self.resume_step, self.writer = out, resume_step, None
+        self.continued = False
+        """The folder holds an earlier process's events (TensorBoard has no run ids: its folder is the run)."""
 
     def start(self, run_id: str | None, params: dict[str, Any], info: dict[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
-        self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.resume_step)
-        if run_id is None:
+        folder = self.out / "tensorboard"
+        self.continued = self.resume_step is not None and any(folder.glob("*tfevents*"))
+        # TensorBoard hides the events at steps >= purge_step: those the killed run wrote after the checkpoint.
+        # The checkpoint's own step keeps its records (metrics.jsonl keeps them too, and they are not logged again).
+        purge = self.resume_step + 1 if self.continued else None
+        self.writer = SummaryWriter(str(folder), purge_step=purge)
+        if not self.continued:
             self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in params.items()))
         return None
+
+    def backfill(self, records: list[dict[str, Any]], continued: bool) -> None:
+        """A folder without earlier events (TensorBoard added on resume, or its folder gone) gets the earlier
+        records of metrics.jsonl; one with them keeps theirs."""
+        if not self.continued:
+            for record in records:
+                self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         step, values = _numbers(record)

@@ -332,10 +332,14 @@ class _Run:
                 log.warning("stop requested (signal): saving step %d and exiting", state.step)
                 bar.close()
                 return True, last
+            paused = time.perf_counter()
             if eval_due:  # before the save: the checkpoint holds it
                 metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
             if save_due:
                 self.save()
+            # the throughput of the log interval counts training, not the evaluation and the checkpoint in it (they
+            # landed in the next interval's seq/s, tokens/s and data wait; the evaluation has its own eval_s)
+            meter.t0 += time.perf_counter() - paused
             watchdog.step_done(state.step)
             if out_of_time:
                 self.stop_reason = f"stopped at the time budget (train.max_time = {cfg.train.max_time}) after " \
