@@ -114,8 +114,14 @@ class ScheduleConfig:
             lambda: check_positive("schedule.power", self.power),
             lambda: check_positive("schedule.decay_steps", self.decay_steps),
             lambda: check_positive("schedule.warmup_power", self.warmup_power),
-            self._check_ratios,
+            self._check_ratios, self._check_on_time,
         ])
+
+    def _check_on_time(self) -> None:
+        # here, not only when the scheduler is built: that comes after the data are prepared (hours, for pretraining)
+        if self.on_time and self.warmup >= 1:
+            raise ValueError(f"config key 'schedule.warmup' ({self.warmup:g}) must be a fraction (< 1) of the time "
+                             "budget with schedule.on_time")
 
     def _check_ratios(self) -> None:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -468,3 +474,10 @@ class TrainerConfig:
             raise ValueError("config key 'train.max_time' without train.steps or train.epochs leaves the "
                              f"{self.schedule.name} schedule no length: set schedule.on_time: true (the schedule "
                              "ends at the budget) or train.steps")
+        if self.train.max_time and not (self.train.steps or self.train.epochs) and not self.schedule.on_time and \
+                0 < self.schedule.warmup < 1:
+            # a fraction of a run whose length only the clock decides: of NO_STEP_LIMIT steps, i.e. an LR of ~0 forever
+            raise ValueError(f"config key 'schedule.warmup' ({self.schedule.warmup:g}) is a fraction of the run's "
+                             "steps, which train.max_time alone does not fix: give the warmup in steps (e.g. "
+                             "schedule.warmup: 100; 0 for none), set train.steps, or set schedule.on_time: true (the "
+                             "warmup is then a fraction of the budget)")

@@ -238,9 +238,16 @@ class BertAdamW(torch.optim.Optimizer):
                 continue
             grads = [_local(p.grad) for p in params]
             for p in params:
-                if not self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                # unused by the maths (no bias correction), but kept as torch's Adam keeps it (a host tensor): a run
+                # continued with bias correction on (torch.optim.AdamW, --allow-config-change) or started from these
+                # moments (optim.init_state) needs it, as torch's AdamW fails on a state without it (KeyError)
+                if "step" not in st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)  # one call, not one op per tensor
             m = [_local(self.state[p]["exp_avg"]) for p in params]
             v = [_local(self.state[p]["exp_avg_sq"]) for p in params]
             params = [_local(p) for p in params]

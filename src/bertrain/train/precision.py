@@ -43,12 +43,15 @@ class Precision:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mode)
-        if cfg.mode == "tf32" and self.device.type == "cuda":
+        if self.device.type == "cuda":
             # TF32 matmuls/convolutions on Ampere and newer. Process-wide flags, so only set where they mean
-            # something: on CPU tf32 is plain fp32.
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.set_float32_matmul_precision("high")
+            # something (on CPU tf32 is plain fp32), and set by every mode: a run after a tf32 one in the same
+            # process (a pipeline's stages, a search's trials) would otherwise keep TF32 matmuls under fp32.
+            tf32 = cfg.mode == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            if tf32:
+                torch.backends.cudnn.allow_tf32 = True  # torch's default already; BERT has no convolutions
+            torch.set_float32_matmul_precision("high" if tf32 else "highest")
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=cfg.initial_loss_scale,
                                            growth_interval=cfg.growth_interval, enabled=cfg.mode == "fp16")
         self.consecutive_skips = 0
@@ -141,6 +144,9 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
+            # GradScaler's state carries its growth_interval: the config's wins (equal on an exact resume; a value
+            # changed with --allow-config-change is applied, as the log says, instead of silently dropped)
+            self.scaler.set_growth_interval(self.cfg.growth_interval)
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
 

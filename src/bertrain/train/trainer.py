@@ -303,6 +303,7 @@ class _Run:
             micro_batches = [to_device(trim_padding(mb) if cfg.train.trim_padding else mb, dist.device)
                              for mb in micro_batches]
             shares = self.forward_backward(micro_batches, flags["counts"], meter)
+            meter.lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (logged as HF Trainer does)
             grad_norm, stepped = optimizer_step(self.model, params, self.optimizer, self.precision,
                                                 cfg.optim.max_grad_norm)
             self.precision.watch(grad_norm, state.step + 1)
@@ -512,6 +513,8 @@ class Meter:
     def __init__(self, task: Task, dist: DistInfo) -> None:
         self.task, self.dist, self.device = task, dist, dist.device
         self.keys: list[str] | None = None  # the task's sum names, fixed by the first micro-batch
+        self.lr: float | None = None
+        """The learning rate the interval's last step used (the record's "lr"; the scheduler has moved on since)."""
         self.reset()
 
     def restart_clock(self) -> None:
@@ -588,7 +591,7 @@ class Meter:
                 record[f"{g}_loss"] = value / n if sums.get(f"{g}_count", 1) else None
         record.update(self.task.metrics(sums))
         record.update({
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": self.lr if self.lr is not None else optimizer.param_groups[0]["lr"],
             "grad_norm": self.grad_norm.item() / self.stepped if self.stepped else float("nan"),
             "loss_scale": precision.loss_scale, "skipped_steps": state.skipped_steps,
             "seq_per_s": seqs / elapsed, "tokens_per_s": tokens / elapsed,
