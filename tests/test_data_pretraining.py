@@ -364,7 +364,7 @@ def test_uneven_tail_drop_or_wrap_gives_equal_counts(prepared):
         expected = n // 21 if drop else -(-n // 21)
         assert counts == [expected] * 3
         assert all(len(l) == expected for l in loaders)
-    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
+    with pytest.raises(ValueError, match="fewer than one global micro-batch .*lower config key .train.micro_batch_size."):
         PretrainingLoader(ds, n, 0, 2)
 
 

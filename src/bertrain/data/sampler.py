@@ -48,7 +48,7 @@ class RankSampler:
             self.micro_steps = math.ceil(num_samples / multiple) * multiple // self.per_micro_step
         if self.micro_steps == 0:
             raise ValueError(f"{num_samples} samples are fewer than one global micro-batch ({self.b} x {self.world} "
-                             "ranks): use a smaller micro batch, fewer ranks, or more data")
+                             "ranks): lower config key 'train.micro_batch_size', use fewer ranks, or add data")
 
     def __len__(self) -> int:
         """Micro-batches per rank per epoch (the same on every rank)."""
