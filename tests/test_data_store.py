@@ -165,3 +165,28 @@ def test_cli_vocab_prepare_inspect(tmp_path, capsys):
     assert not list((tmp_path / "m").glob("static-*"))
     assert cli_main(["inspect", str(tmp_path / "m"), "--samples", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["masking"] == "dynamic"
+
+
+def _sigterm_is_default(_: int) -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_prepare_workers_die_of_sigterm_whatever_handler_the_parent_had() -> None:
+    """A full test run hung for good in prepare's Pool.terminate: a forked worker waiting on the task queue's lock
+    had inherited a Python SIGTERM handler and outlived the SIGTERM meant to end it. Workers now reset SIGTERM to its
+    default, and a finished prepare ends its pool without signals (close, not terminate)."""
+    import signal
+
+    from bertrain.data import prepare
+
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)  # a handler that does not end the process
+    try:
+        pool = prepare._pool(2, lambda: None, ())
+        try:
+            assert pool.map(_sigterm_is_default, range(8)) == [True] * 8
+        finally:
+            prepare._end_pool(pool, finished=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -40,6 +40,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import shutil
 import time
 from collections import Counter, defaultdict, deque
@@ -210,6 +211,9 @@ _WORKER_TRIM_THRESHOLD = 128 << 20
 
 
 def _start_worker(initializer, initargs) -> None:
+    # The parent's SIGTERM handler (the CLI's, a training loop's) is no worker's: Pool.terminate ends workers with
+    # SIGTERM, and one that inherited a Python handler could outlive it and hang the pool's join.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     keep_freed_memory(_WORKER_MMAP_THRESHOLD, _WORKER_TRIM_THRESHOLD)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if initializer is not None:
@@ -263,9 +267,16 @@ def _fingerprint(cfg: PrepareConfig, identity: str) -> dict[str, Any]:
             **{k: getattr(cfg, k) for k in keys}, "encoding": cfg.corpus.encoding}
 
 
-def _end_pool(pool) -> None:
+def _end_pool(pool, finished: bool = False) -> None:
+    """End the pool: `finished` (every task done), the workers take the pool's end-of-work sentinel and exit; else
+    (an error, tasks in flight) they are terminated. Not terminate on success: it hung a full test run for good —
+    it signals workers that may still wait on the task queue's lock, which it holds from then on, and a worker whose
+    SIGTERM did not end it waited there for ever (a worker now resets SIGTERM to its default: `_start_worker`)."""
     if pool is not None:
-        pool.terminate()
+        if finished:
+            pool.close()
+        else:
+            pool.terminate()
         pool.join()
     _close_static()  # this process's state (one worker, or built here before forking)
     _W.clear()
@@ -700,6 +711,7 @@ def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: f
     # worker on its first static task).
     pool = _pool(workers, _init_tokenize_worker, (cfg.vocab_file, cfg.do_lower_case, cfg.corpus.min_document_chars,
                                                   token_dtype(len(read_vocab(cfg.vocab_file))).name))
+    finished = False
     try:
         stage = _tokenize_stage(cfg, work, identity, pool, status)
         report = stage["report"]
@@ -708,8 +720,9 @@ def _build(cfg: PrepareConfig, work: Path, identity: str, status: _Status, t0: f
         t_tok = time.perf_counter() - t0
         meta, heldout, num_instances = _after_tokenizing(cfg, work, identity, stage["progress"], pool, workers, status)
         report.documents = meta["num_documents"] + heldout["num_documents"]
+        finished = True
     finally:
-        _end_pool(pool)
+        _end_pool(pool, finished)
     seconds = time.perf_counter() - t0
     stats = {
         "num_documents": meta["num_documents"], "num_sentences": meta["num_sentences"],
@@ -804,12 +817,14 @@ def _add_heldout_build(cfg: PrepareConfig, meta: dict[str, Any], old: dict[str, 
         logger.info("resuming %s", work)
     workers = cfg.workers or os.cpu_count() or 1
     pool = _pool(workers, _no_worker_state, ())  # (hashing and static tasks set up their own state)
+    finished = False
     try:
         refusal = f"cannot add a held-out set to {out}"
         new, heldout, num_instances = _after_tokenizing(cfg, work, meta["tokenizer_identity"], progress, pool,
                                                         workers, status, refuse_none=refusal)
+        finished = True
     finally:
-        _end_pool(pool)
+        _end_pool(pool, finished)
     stats = {**old, **{k: new[k] for k in ("num_documents", "num_sentences", "num_tokens")},
              "num_instances": num_instances, "num_shards": len(new["shards"]), "heldout": heldout,
              "heldout_added": {"seconds": round(time.perf_counter() - t0, 3), "workers": workers}}
