@@ -243,3 +243,22 @@ def one_line_error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def save_tiny_head_model(cls, folder: Path, positions: int = 64, task: dict | None = None) -> Path:
+    """A tiny random model of `cls` (seed 0) with `positions` positions and the test vocabulary, saved as an HF
+    folder (its head saved too, so it loads as trained), with `task` as its task.json."""
+    import json
+
+    from bertrain.model.bert import BertConfig
+    from bertrain.model.hf import tokenizer_files_from_vocab
+
+    torch.manual_seed(0)
+    vocab = ASSETS / "vocab-tiny.txt"
+    model = cls(BertConfig.from_preset("tiny", vocab_size=sum(1 for _ in open(vocab, encoding="utf-8")),
+                                       max_position_embeddings=positions))
+    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
+    model.save_pretrained(folder)
+    if task is not None:
+        (folder / "task.json").write_text(json.dumps(task))
+    return folder

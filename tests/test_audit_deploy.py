@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS, shared_file
-from helpers import TINY, save_tiny_model
+from conftest import shared_file
+from helpers import TINY, save_tiny_head_model, save_tiny_model
 
 from bertrain.cli import main
 
@@ -17,22 +17,7 @@ XQUAD = "squad/xquad-en-part1.json"
 
 
 def _tiny_head_model(cls, folder: Path, positions: int = 64, task: dict | None = None) -> Path:
-    """A tiny random `cls` model (its head saved, so it loads as trained) with the test vocabulary, and `task` as
-    its task.json."""
-    import torch
-
-    from bertrain.model.bert import BertConfig
-    from bertrain.model.hf import tokenizer_files_from_vocab
-
-    torch.manual_seed(0)
-    vocab = ASSETS / "vocab-tiny.txt"
-    model = cls(BertConfig.from_preset("tiny", vocab_size=sum(1 for _ in open(vocab, encoding="utf-8")),
-                                       max_position_embeddings=positions))
-    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
-    model.save_pretrained(folder)
-    if task is not None:
-        (folder / "task.json").write_text(json.dumps(task))
-    return folder
+    return save_tiny_head_model(cls, folder, positions, task)
 
 
 def _last_error_line(capsys) -> str:

@@ -6,6 +6,8 @@ import io
 
 import pytest
 
+from helpers import save_tiny_head_model
+
 from bertrain.deploy.predict import read_items
 
 
@@ -37,22 +39,7 @@ def test_a_null_text_pair_is_a_single_text():
 
 
 def _tiny_model(cls, folder, positions: int):
-    """A tiny random model of `cls` with `positions` positions and the test vocabulary, saved as an HF folder (its
-    head saved too, so it loads as trained)."""
-    import torch
-
-    from conftest import ASSETS
-
-    from bertrain.model.bert import BertConfig
-    from bertrain.model.hf import tokenizer_files_from_vocab
-
-    torch.manual_seed(0)
-    vocab = ASSETS / "vocab-tiny.txt"
-    model = cls(BertConfig.from_preset("tiny", vocab_size=sum(1 for _ in open(vocab, encoding="utf-8")),
-                                       max_position_embeddings=positions))
-    model.tokenizer_files = tokenizer_files_from_vocab(vocab, do_lower_case=True)
-    model.save_pretrained(folder)
-    return folder
+    return save_tiny_head_model(cls, folder, positions)
 
 
 def test_the_sequence_length_never_exceeds_the_models_positions(tmp_path, capsys):
