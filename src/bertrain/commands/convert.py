@@ -1,4 +1,5 @@
-"""`bertrain convert`: import any HF/Google BERT folder into a clean bertrain model folder with every head."""
+"""`bertrain convert`: import any HF/Google BERT folder (Google's TensorFlow checkpoints too) into a clean bertrain
+model folder with every head."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +8,14 @@ from pathlib import Path
 from bertrain.utils.errors import UserError, writing
 from bertrain.utils.io import atomic_dir
 
-HELP = "import an HF/Google BERT folder (.safetensors or .bin, any heads) into a bertrain model folder"
+HELP = ("import an HF/Google BERT folder (.safetensors, .bin or Google's TensorFlow checkpoint, any heads) into a "
+        "bertrain model folder")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and model weights (+ vocab.txt)")
+    parser.add_argument("hf_dir", metavar="HF_DIR",
+                        help="folder with config.json and model weights (+ vocab.txt), or Google's release layout: "
+                             "bert_config.json, vocab.txt, bert_model.ckpt.index and .data-*")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the bertrain (HF-format) model folder")
     add_overwrite_argument(parser)
 

@@ -9,7 +9,9 @@ are padded to a multiple of 8. So the whole key map (torchtitan's "state dict ad
 `to_hf_state_dict` / `from_hf_state_dict` apply them to any dict of tensors (parameters, or their gradients).
 Around them: config.json in both directions, reading HF folders written by any transformers version or converted
 from Google's checkpoints (`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style
-`gamma`/`beta`), and writing folders that `transformers` loads without a missing-weight warning.
+`gamma`/`beta`), reading Google's original TensorFlow checkpoints themselves (bert_config.json + `*.ckpt.index` /
+`.data-*`, through `bertrain.model.tf_checkpoint`, with Google's tanh GELU kept: `google_activation`), and writing
+folders that `transformers` loads without a missing-weight warning.
 
 A model is named by a folder or by a Hub model id (`ORG/NAME`, optionally `@REVISION`), which `resolve_model_dir`
 finds in the local Hugging Face cache (`HF_HUB_CACHE`, `HF_HOME`; the snapshot layout
@@ -35,6 +37,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors, save as save_safetensors
 from torch import nn
 
+from bertrain.model import tf_checkpoint
 from bertrain.model.bert import (
     MODEL_CLASSES,
     BertConfig,
@@ -254,6 +257,8 @@ def find_config_file(path: Path) -> Path:
 
 
 def _load_weights_file(f: Path) -> dict[str, torch.Tensor]:
+    if _is_tf_checkpoint(f):  # its errors name the file and what to do already
+        return tf_checkpoint.load_bert_state_dict(f)
     try:
         if f.suffix == ".safetensors":
             return load_safetensors(str(f))
@@ -265,8 +270,14 @@ def _load_weights_file(f: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _is_tf_checkpoint(f: Path) -> bool:
+    return f.name.endswith(tf_checkpoint.INDEX_SUFFIX)
+
+
 def weights_files(path: str | os.PathLike) -> list[Path]:
-    """The weight files of an HF folder: model.safetensors, else pytorch_model.bin (or their sharded forms)."""
+    """The weight files of an HF folder: model.safetensors, else pytorch_model.bin (or their sharded forms), else
+    the `.index` file of a TensorFlow checkpoint (Google's original BERT layout; `tf_checkpoint.checkpoint_index`
+    says which when there are several)."""
     path = Path(path)
     for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PYTORCH_BIN, PYTORCH_BIN_INDEX)):
         if (path / single).is_file():
@@ -277,13 +288,14 @@ def weights_files(path: str | os.PathLike) -> list[Path]:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path / index}: not a valid weights index: {e}") from None
             return [path / name for name in dict.fromkeys(weight_map.values())]
-    if list(path.glob("*.ckpt.index")) or list(path.glob("*.ckpt*.index")):
-        raise ValueError(f"{path}: holds a TensorFlow checkpoint (*.ckpt), which bertrain does not read; convert it "
-                         f"with transformers' convert_bert_original_tf_checkpoint_to_pytorch first")
+    index = tf_checkpoint.checkpoint_index(path) if path.is_dir() else None
+    if index is not None:
+        return [index]
     if (path / "dcp").is_dir():  # train/dcp.py's layout
         raise ValueError(f"{path}: a sharded (FSDP) checkpoint: its weights are DCP shards for resuming; "
                          f"`bertrain export {path} OUT_DIR` writes them as an HF model folder")
-    raise ValueError(f"{path}: no weights found (expected {SAFETENSORS} or {PYTORCH_BIN})")
+    raise ValueError(f"{path}: no weights found (expected {SAFETENSORS}, {PYTORCH_BIN} or a TensorFlow checkpoint "
+                     "(*.ckpt.index with its .data-* files))")
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -421,7 +433,10 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
             raise ValueError(f"{path / 'vocab.txt'} has {n} tokens but {config_file} says vocab_size = "
                              f"{config.vocab_size}; the vocabulary and the model do not belong together")
 
-    source_file = ", ".join(str(f) for f in weights_files(path))
+    weights = weights_files(path)
+    source_file = ", ".join(str(f) for f in weights)
+    if _is_tf_checkpoint(weights[0]) and "hidden_act" not in kwargs:
+        config = google_activation(config, config_file)
     raw = load_hf_state_dict(path)
     with_prefix = cls is not BertModel
     source = _normalize_keys(raw, with_prefix)
@@ -485,6 +500,19 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
                     _short(strange))
     model.loading_info = {"initialized": initialised, "missing_keys": missing, "unexpected_keys": unexpected}
     return model
+
+
+def google_activation(config: BertConfig, config_file: Path) -> BertConfig:
+    """The config of a model whose weights are a TensorFlow checkpoint of Google's (or NVIDIA's) BERT code, which
+    computes "gelu" as the tanh approximation, 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) (modeling.py's `gelu`),
+    where HF and bertrain read "gelu" as the exact erf GELU: so "gelu" becomes "gelu_new", the name transformers
+    gives that very function, and the model computes what it was trained with (`bertrain convert` writes it into
+    config.json, for transformers too). The one place this is decided; HF folders are taken at their word."""
+    if config.hidden_act != "gelu":
+        return config
+    log.info("%s says hidden_act \"gelu\", which Google's TensorFlow BERT computes with the tanh approximation: "
+             "using \"gelu_new\" (that approximation) for this TensorFlow checkpoint", config_file)
+    return dataclasses.replace(config, hidden_act="gelu_new")
 
 
 def _check_tied_decoder(raw_config: dict[str, Any], config_file: Path, source_file: str,

@@ -193,10 +193,10 @@ CLS_KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels")
 def load_model(kind: str, path: str | Path, num_labels: int = 2) -> nn.Module:
     """bertrain's BertForQuestionAnswering ("qa") / BertForSequenceClassification from an HF or checkpoint folder,
     or a Hub model id in the local HF cache."""
-    from bertrain.model.hf import resolve_model_dir
+    from bertrain.model.hf import CONFIG_NAMES, resolve_model_dir
 
     path = resolve_model_dir(path)
-    if not (path / "config.json").is_file():
+    if not any((path / name).is_file() for name in CONFIG_NAMES):  # config.json, or Google's bert_config.json
         raise ValueError(f"model folder {path} has no config.json (need an HF-format or bertrain checkpoint folder)")
     if kind == "qa":
         return BertForQuestionAnswering.from_pretrained(path)
@@ -208,10 +208,10 @@ def check_length_fits_model(init: str, max_seq_length: int) -> None:
     the run builds every feature (minutes on SQuAD), fails at the first batch holding a window that long, and
     leaves a folder the corrected command refuses as a run to resume; or, when no input is that long, exports a
     task.json whose length the model cannot take."""
-    from bertrain.model.hf import resolve_model_dir
+    from bertrain.model.hf import find_config_file, resolve_model_dir
 
     try:
-        config = json.loads((resolve_model_dir(init) / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(find_config_file(resolve_model_dir(init)).read_text(encoding="utf-8"))
         positions = int(config["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # load_model names what is wrong with the folder

@@ -481,10 +481,11 @@ def model_positions(cfg: PretrainConfig) -> int | None:
     when that folder has no config.json yet), known before anything is built."""
     m = cfg.model
     if m.init:
-        from bertrain.model.hf import resolve_model_dir  # a Hub model id: its snapshot in the local HF cache
+        from bertrain.model.hf import CONFIG_NAMES, resolve_model_dir  # a Hub model id: its snapshot in the HF cache
 
         init = resolve_model_dir(m.init)
-        config = config_from_json_file(init / "config.json") if (init / "config.json").is_file() else None
+        found = [init / name for name in CONFIG_NAMES if (init / name).is_file()]  # or Google's bert_config.json
+        config = config_from_json_file(found[0]) if found else None
         if config is not None:  # an initialised model keeps its shape: its positions, not the override's
             given = m.max_position_embeddings
             if given is not None and given != config.max_position_embeddings:
