@@ -215,3 +215,22 @@ def test_a_checkpoint_write_slower_than_the_collective_timeout_does_not_fail_the
     cfg["checkpoint"]["save_interval"] = 4  # one checkpoint, at the last step
     spawn(_slow_storage_worker, 2, cfg, 4.0)
     assert (out / "step-4" / "COMPLETE").is_file()
+
+
+def test_the_manifest_takes_the_shard_names_from_the_metadata_file_where_save_returns_none(tmp_path: Path) -> None:
+    """torch 2.11's `dcp.save` returns its Metadata without `storage_data`: the shard names then come from the
+    `.metadata` file rank 0 wrote, never from a directory listing alone (the test above failed on torch 2.11)."""
+    import types
+
+    import torch
+    import torch.distributed.checkpoint as torch_dcp
+
+    from bertrain.train.dcp import shard_files
+
+    with pytest.warns(UserWarning, match="single process"):
+        returned = torch_dcp.save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path, no_dist=True)
+    assert shard_files(returned, tmp_path) == ["__0_0.distcp"]
+    assert shard_files(types.SimpleNamespace(storage_data=None), tmp_path) == ["__0_0.distcp"]  # as torch 2.11
+    (tmp_path / ".metadata").unlink()
+    with pytest.raises(FileNotFoundError):
+        shard_files(types.SimpleNamespace(storage_data=None), tmp_path)

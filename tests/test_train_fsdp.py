@@ -119,6 +119,31 @@ def test_configurations_that_do_not_fit_are_refused(tmp_path: Path, capsys: pyte
 
 # ----------------------------------------------------------------------------------------------- the step, sharded
 
+def test_model_outputs_are_pytree_nodes_so_fsdp_finds_their_tensors() -> None:
+    """torch 2.11's FSDP2 registers the root module's pre-backward hook on the output tensors that pytree's
+    `tree_flatten` finds: a plain dataclass is one opaque leaf to it, so the hook was never registered, the root's
+    weights (embeddings, heads) stayed freed after forward, and the first backward failed ("setStorage: ... out of
+    bounds for storage of size 0": every FSDP test on torch 2.11, and the GPU session's FSDP2 crash). Every output
+    type must flatten to its tensors, in field order, and rebuild to an equal output."""
+    import dataclasses
+
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from bertrain.model import bert
+
+    for cls in (bert.BertModelOutput, bert.BertForPreTrainingOutput, bert.SequenceClassifierOutput,
+                bert.QuestionAnsweringOutput):
+        values = {f.name: torch.full((2,), float(i), requires_grad=True) for i, f in enumerate(dataclasses.fields(cls))}
+        out = cls(**values)
+        leaves, spec = tree_flatten(out)
+        assert [id(t) for t in leaves] == [id(v) for v in values.values()], cls.__name__
+        assert tree_unflatten(leaves, spec) == out
+        if len(values) > 1:  # a missing optional output is no leaf, and still rebuilds
+            partial = cls(**{next(iter(values)): values[next(iter(values))]})
+            leaves, spec = tree_flatten(partial)
+            assert len(leaves) == 1 and tree_unflatten(leaves, spec) == partial
+
+
 def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     from bertrain.model.bert import BertConfig, BertForPreTraining
     from bertrain.train.config import (

@@ -47,7 +47,7 @@ from bertrain.model.unpad import AttentionLayout, attention_layout, to_device
 
 # HF's names for activations (transformers.activations.ACT2FN) -> the function we use.
 ACTIVATIONS = {
-    "gelu": F.gelu,                                                    # exact erf GELU, as in BERT
+    "gelu": F.gelu,                                                    # exact erf GELU, as HF reads BERT configs
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),               # tanh approximation (GPT-2 style)
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
@@ -174,6 +174,15 @@ class QuestionAnsweringOutput:
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None      # (B, T)
     end_logits: torch.Tensor | None = None        # (B, T)
+
+
+# The outputs are pytree nodes (as transformers registers its ModelOutput), so that code which looks for the tensors
+# of a module's output with torch's pytree finds them. FSDP2 of torch 2.11 does (its root module's pre-backward
+# hook is registered on the tensors `tree_flatten` finds; torch 2.13 also walks dataclasses): a plain dataclass is
+# one opaque leaf to it, the hook was never registered, and the first backward failed on the root's freed weights
+# ("setStorage: ... out of bounds for storage of size 0").
+for _output in (BertModelOutput, BertForPreTrainingOutput, SequenceClassifierOutput, QuestionAnsweringOutput):
+    torch.export.register_dataclass(_output)
 
 
 # ----------------------------------------------------------------------------------------------- encoder

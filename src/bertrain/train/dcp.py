@@ -61,6 +61,16 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
 
 
+def shard_files(metadata: Any, folder: Path) -> list[str]:
+    """The shard files (relative to `folder`) of every rank that the DCP checkpoint `folder` names: from the
+    `Metadata` that `dcp.save` returned where it holds them (torch >= 2.13), else from the `.metadata` file rank 0
+    wrote (torch 2.11's save returns its Metadata without `storage_data`)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not storage:
+        storage = torch_dcp.FileSystemReader(str(folder)).read_metadata().storage_data or {}
+    return sorted({info.relative_path for info in storage.values()})
+
+
 def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                             train_state: dict[str, Any], config: Any, keep_last: int, dist: DistInfo) -> Path:
     """Write `OUTPUT/step-N/` from every rank (collective: call on all ranks with the same arguments).
@@ -102,7 +112,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
     names = None
     if dist.is_main:
         names = sorted({str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()}
-                       | {f"{DCP_DIR}/{info.relative_path}" for info in (metadata.storage_data or {}).values()})
+                       | {f"{DCP_DIR}/{path}" for path in shard_files(metadata, tmp / DCP_DIR)})
     files = [tmp / name for name in broadcast_object(names)]
     mine: dict[str, Any] = {}
     try:
