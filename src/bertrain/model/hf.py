@@ -10,8 +10,10 @@ are padded to a multiple of 8. So the whole key map (torchtitan's "state dict ad
 Around them: config.json in both directions, reading HF folders written by any transformers version or converted
 from Google's checkpoints (`bert.` prefix or not, heads or not, `.safetensors` or `.bin`, sharded or not, TF-style
 `gamma`/`beta`), reading Google's original TensorFlow checkpoints themselves (bert_config.json + `*.ckpt.index` /
-`.data-*`, through `bertrain.model.tf_checkpoint`, with Google's tanh GELU kept: `google_activation`), and writing
-folders that `transformers` loads without a missing-weight warning.
+`.data-*`, through `bertrain.model.tf_checkpoint`, with Google's tanh GELU kept: `google_activation`) and the
+checkpoints of NVIDIA's PyTorch BERT (`ckpt_<step>.pt`, NGC's `*.pt`, run_squad/run_glue's nested pytorch_model.bin,
+through `bertrain.model.nvidia_checkpoint`: `nvidia_config`), and writing folders that `transformers` loads without
+a missing-weight warning.
 
 A model is named by a folder or by a Hub model id (`ORG/NAME`, optionally `@REVISION`), which `resolve_model_dir`
 finds in the local Hugging Face cache (`HF_HUB_CACHE`, `HF_HOME`; the snapshot layout
@@ -37,7 +39,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors, save as save_safetensors
 from torch import nn
 
-from bertrain.model import tf_checkpoint
+from bertrain.model import nvidia_checkpoint, tf_checkpoint
 from bertrain.model.bert import (
     MODEL_CLASSES,
     BertConfig,
@@ -257,17 +259,36 @@ def find_config_file(path: Path) -> Path:
 
 
 def _load_weights_file(f: Path) -> dict[str, torch.Tensor]:
+    return _read_weights_file(f)[0]
+
+
+def _read_weights_file(f: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...] | None]:
+    """(the tensors of one weight file under HF's names, the names of the file's other entries where it is a
+    checkpoint of NVIDIA's scripts (`nvidia_checkpoint`), else None)."""
     if _is_tf_checkpoint(f):  # its errors name the file and what to do already
-        return tf_checkpoint.load_bert_state_dict(f)
-    try:
-        if f.suffix == ".safetensors":
-            return load_safetensors(str(f))
-        sd = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt/truncated files: name the file
-        raise ValueError(f"{f}: cannot read weights: {e}") from None
+        return tf_checkpoint.load_bert_state_dict(f), None
+    if f.suffix == ".safetensors":
+        try:
+            return load_safetensors(str(f)), None
+        except Exception as e:  # corrupt/truncated files: name the file
+            raise ValueError(f"{f}: cannot read weights: {e}") from None
+    sd = nvidia_checkpoint.load_file(f)  # weights_only; its errors name the file and what to do
+    if f.suffix == nvidia_checkpoint.SUFFIX or nvidia_checkpoint.is_nvidia(sd):
+        ckpt = nvidia_checkpoint.bert_state_dict(sd, f, *_nvidia_vocab(f.parent))
+        return ckpt.tensors, ckpt.saved
     if not isinstance(sd, dict):
         raise ValueError(f"{f}: expected a dict of tensors, got {type(sd).__name__}")
-    return sd
+    return sd, None
+
+
+def _nvidia_vocab(folder: Path) -> tuple[int, str]:
+    """(the real vocabulary size of the NVIDIA model in `folder`, what says so): `nvidia_checkpoint.vocab_size` of
+    its config and vocab.txt."""
+    config_file = find_config_file(folder)
+    config = _config_of(config_file, read_config_json(config_file))
+    vocab = folder / "vocab.txt"
+    n = nvidia_checkpoint.vocab_size(config.vocab_size, vocab_size_of(vocab.read_bytes()) if vocab.is_file() else None)
+    return n, f"{vocab} has {n} tokens" if n != config.vocab_size else f"{config_file} says vocab_size = {n}"
 
 
 def _is_tf_checkpoint(f: Path) -> bool:
@@ -277,7 +298,9 @@ def _is_tf_checkpoint(f: Path) -> bool:
 def weights_files(path: str | os.PathLike) -> list[Path]:
     """The weight files of an HF folder: model.safetensors, else pytorch_model.bin (or their sharded forms), else
     the `.index` file of a TensorFlow checkpoint (Google's original BERT layout; `tf_checkpoint.checkpoint_index`
-    says which when there are several)."""
+    says which when there are several), else the one `*.pt` file of a checkpoint of NVIDIA's PyTorch BERT
+    (`nvidia_checkpoint.checkpoint_file`: several are an error listing them). A pytorch_model.bin of NVIDIA's
+    run_squad.py / run_glue.py ({"model": state dict}) is found as HF's and read as NVIDIA's."""
     path = Path(path)
     for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PYTORCH_BIN, PYTORCH_BIN_INDEX)):
         if (path / single).is_file():
@@ -294,16 +317,28 @@ def weights_files(path: str | os.PathLike) -> list[Path]:
     if (path / "dcp").is_dir():  # train/dcp.py's layout
         raise ValueError(f"{path}: a sharded (FSDP) checkpoint: its weights are DCP shards for resuming; "
                          f"`bertrain export {path} OUT_DIR` writes them as an HF model folder")
-    raise ValueError(f"{path}: no weights found (expected {SAFETENSORS}, {PYTORCH_BIN} or a TensorFlow checkpoint "
-                     "(*.ckpt.index with its .data-* files))")
+    nvidia = nvidia_checkpoint.checkpoint_file(path) if path.is_dir() else None
+    if nvidia is not None:
+        return [nvidia]
+    raise ValueError(f"{path}: no weights found (expected {SAFETENSORS}, {PYTORCH_BIN}, a TensorFlow checkpoint "
+                     "(*.ckpt.index with its .data-* files) or a checkpoint of NVIDIA's PyTorch BERT (*.pt))")
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder's weight file(s), under the names stored there."""
+    """All tensors of an HF folder's weight file(s), under the names stored there (Google's and NVIDIA's
+    checkpoints: under HF's)."""
+    return _read_weights(weights_files(path))[0]
+
+
+def _read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], tuple[str, ...] | None]:
+    """(the tensors of the weight files, the other entries of an NVIDIA checkpoint among them or None)."""
     sd: dict[str, torch.Tensor] = {}
-    for f in weights_files(path):
-        sd.update(_load_weights_file(f))
-    return sd
+    saved: tuple[str, ...] | None = None
+    for f in files:
+        tensors, entries = _read_weights_file(f)
+        sd.update(tensors)
+        saved = entries if entries is not None else saved
+    return sd, saved
 
 
 def _normalize_keys(raw: Mapping[str, torch.Tensor], with_prefix: bool) -> dict[str, torch.Tensor]:
@@ -427,17 +462,22 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
             raise ValueError(f"{config_file}: {e}") from None
 
     tokenizer_files = read_tokenizer_files(path)
-    if "vocab.txt" in tokenizer_files:
-        n = vocab_size_of(tokenizer_files["vocab.txt"])
-        if n != config.vocab_size:
-            raise ValueError(f"{path / 'vocab.txt'} has {n} tokens but {config_file} says vocab_size = "
-                             f"{config.vocab_size}; the vocabulary and the model do not belong together")
+    vocab_lines = vocab_size_of(tokenizer_files["vocab.txt"]) if "vocab.txt" in tokenizer_files else None
+    # NVIDIA's run_squad.py / run_glue.py save the config with the vocabulary padded: whether that is what a config
+    # saying exactly vocab.txt's padding means is known once the weights say whose they are (checked again below).
+    padded_by_nvidia = nvidia_checkpoint.vocab_size(config.vocab_size, vocab_lines) != config.vocab_size
+    if vocab_lines is not None and vocab_lines != config.vocab_size and not padded_by_nvidia:
+        raise _vocab_mismatch(path, config_file, vocab_lines, config.vocab_size)
 
     weights = weights_files(path)
     source_file = ", ".join(str(f) for f in weights)
     if _is_tf_checkpoint(weights[0]) and "hidden_act" not in kwargs:
         config = google_activation(config, config_file)
-    raw = load_hf_state_dict(path)
+    raw, nvidia_saved = _read_weights(weights)
+    if nvidia_saved is not None:
+        config = nvidia_config(config, config_file, source_file, vocab_lines, nvidia_saved, "hidden_act" in kwargs)
+    if vocab_lines is not None and vocab_lines != config.vocab_size:
+        raise _vocab_mismatch(path, config_file, vocab_lines, config.vocab_size)
     with_prefix = cls is not BertModel
     source = _normalize_keys(raw, with_prefix)
 
@@ -513,6 +553,29 @@ def google_activation(config: BertConfig, config_file: Path) -> BertConfig:
     log.info("%s says hidden_act \"gelu\", which Google's TensorFlow BERT computes with the tanh approximation: "
              "using \"gelu_new\" (that approximation) for this TensorFlow checkpoint", config_file)
     return dataclasses.replace(config, hidden_act="gelu_new")
+
+
+def nvidia_config(config: BertConfig, config_file: Path, source_file: str, vocab_lines: int | None,
+                  saved: tuple[str, ...], keep_act: bool) -> BertConfig:
+    """The config of a model whose weights are a checkpoint of NVIDIA's PyTorch BERT scripts: the vocabulary its
+    weights were cut to (`nvidia_checkpoint.vocab_size`: a padded vocab_size that run_squad.py / run_glue.py saved
+    is vocab.txt's), and "gelu" as the NVIDIA code that wrote the file computed it (`nvidia_checkpoint.hidden_act`:
+    the exact erf GELU until 2020, the tanh approximation, "gelu_new", since 2022), unless `keep_act` (the caller
+    gave hidden_act). The one place this is decided, as `google_activation` for Google's checkpoints."""
+    changes: dict[str, Any] = {"vocab_size": nvidia_checkpoint.vocab_size(config.vocab_size, vocab_lines)}
+    if changes["vocab_size"] != config.vocab_size:
+        log.info("%s says vocab_size = %d, the padded size NVIDIA's fine-tuning scripts save: using vocab.txt's %d",
+                 config_file, config.vocab_size, changes["vocab_size"])
+    if not keep_act:
+        changes["hidden_act"], why = nvidia_checkpoint.hidden_act(config.hidden_act, saved)
+        if why:
+            log.info("%s: %s", source_file, why)
+    return dataclasses.replace(config, **changes)
+
+
+def _vocab_mismatch(path: Path, config_file: Path, tokens: int, vocab_size: int) -> ValueError:
+    return ValueError(f"{path / 'vocab.txt'} has {tokens} tokens but {config_file} says vocab_size = {vocab_size}; "
+                      "the vocabulary and the model do not belong together")
 
 
 def _check_tied_decoder(raw_config: dict[str, Any], config_file: Path, source_file: str,
