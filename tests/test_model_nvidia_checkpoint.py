@@ -420,3 +420,17 @@ def test_an_hf_pytorch_model_bin_keeps_its_vocabulary_check(tmp_path):
     with pytest.raises(ValueError, match=r"vocab.txt has 100 tokens but .*bert_config.json says vocab_size = 104; "
                                          r"the vocabulary and the model do not belong together"):
         BertForPreTraining.from_pretrained(folder)
+
+
+def test_info_shows_the_config_the_weights_are_computed_with(ckpt_2020, ckpt_2022, tmp_path):
+    """`bertrain info` reads no tensor, but says what loading decides: 2022's checkpoint computes "gelu" as the tanh
+    approximation, and a fine-tuning output's padded vocab_size is vocab.txt's (before: the config file's words)."""
+    from bertrain.commands.info import describe
+
+    assert describe(str(ckpt_2020))["config"]["hidden_act"] == "gelu"
+    assert describe(str(ckpt_2022))["config"]["hidden_act"] == "gelu_new"
+    padded = nvidia_folder(tmp_path / "SQuAD", {"ckpt_1.pt": {"model": nvidia_state("qa_outputs.")}},
+                           {**CONFIG, "vocab_size": PADDED})
+    info = describe(str(padded))
+    assert info["config"]["vocab_size"] == VOCAB and info["config"]["hidden_act"] == "gelu"
+    assert info["config"] == {**describe(str(ckpt_2020))["config"]}  # the same model

@@ -419,3 +419,15 @@ def test_a_randomly_damaged_index_is_a_value_error_never_a_crash(tmp_path, witho
             tf_checkpoint.load_bert_state_dict(index)
         except ValueError as e:
             assert "\n" not in str(e) and str(index) in str(e), (seed, str(e))
+
+
+def test_info_shows_the_activation_the_checkpoint_is_computed_with(tmp_path):
+    """`bertrain info` reads no tensor, but shows Google's "gelu" as loading computes it (before: "gelu")."""
+    from bertrain.commands.info import describe
+
+    info = describe(str(FIXTURE))
+    assert info["config"]["hidden_act"] == "gelu_new"
+    assert json.loads((FIXTURE / "bert_config.json").read_text())["hidden_act"] == "gelu"
+    hf = tmp_path / "hf"
+    BertForPreTraining.from_pretrained(FIXTURE).save_pretrained(hf)
+    assert describe(str(hf))["config"] == info["config"]  # the converted folder says the same

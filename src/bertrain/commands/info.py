@@ -34,14 +34,16 @@ def describe(model: str) -> dict[str, Any]:
     import torch
 
     from bertrain.model.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
-    from bertrain.model.hf import config_from_json_file, find_config_file
+    from bertrain.model.hf import computed_config, config_from_json_file, find_config_file
 
     if Path(model).exists():  # a folder the user made wins over a preset of the same name (said below)
         if model in PRESETS:
             logging.getLogger(__name__).warning("--model %s: the folder %s, not the preset %s (run `bertrain info` "
                                                 "elsewhere for the preset)", model, Path(model).resolve(), model)
-        config_file = find_config_file(resolve_checkpoint(Path(model)))  # a run folder: its latest checkpoint
-        config, source = config_from_json_file(config_file), str(config_file)
+        folder = resolve_checkpoint(Path(model))  # a run folder: its latest checkpoint
+        config_file = find_config_file(folder)
+        # as the folder's weights are computed: Google's and NVIDIA's checkpoints change their config's "gelu"
+        config, source = computed_config(folder, config_from_json_file(config_file), config_file), str(config_file)
     elif model in PRESETS:
         config, source = BertConfig.from_preset(model), f"preset {model}"
     else:

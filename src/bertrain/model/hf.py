@@ -555,6 +555,26 @@ def google_activation(config: BertConfig, config_file: Path) -> BertConfig:
     return dataclasses.replace(config, hidden_act="gelu_new")
 
 
+def computed_config(path: Path, config: BertConfig, config_file: Path) -> BertConfig:
+    """The config a model folder's weights are computed with, without building the model: `config` (read from
+    `config_file`) with what `load_pretrained` changes for Google's TensorFlow checkpoints (`google_activation`) and
+    NVIDIA's `*.pt` checkpoints (`nvidia_config`, from the file's entry names: memory-mapped, no tensor read). A
+    folder without weights, or with HF's, is taken at its word (for `bertrain info`)."""
+    try:
+        weights = weights_files(path)
+    except ValueError:
+        return config
+    if _is_tf_checkpoint(weights[0]):
+        return google_activation(config, config_file)
+    if weights[0].suffix == nvidia_checkpoint.SUFFIX:
+        obj = nvidia_checkpoint.load_file(weights[0])
+        saved = nvidia_checkpoint.model_state(obj, weights[0])[1]
+        vocab = path / "vocab.txt"
+        lines = vocab_size_of(vocab.read_bytes()) if vocab.is_file() else None
+        return nvidia_config(config, config_file, str(weights[0]), lines, saved, keep_act=False)
+    return config
+
+
 def nvidia_config(config: BertConfig, config_file: Path, source_file: str, vocab_lines: int | None,
                   saved: tuple[str, ...], keep_act: bool) -> BertConfig:
     """The config of a model whose weights are a checkpoint of NVIDIA's PyTorch BERT scripts: the vocabulary its
