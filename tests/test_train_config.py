@@ -368,3 +368,20 @@ def test_a_checkpoint_of_before_the_packing_keys_resumes_as_itself(tmp_path, nex
                                         r"False -> True"):
         run_pretraining(cfg(2), resume="auto")
     assert run_pretraining(cfg(2, split_sentences=False, document_separator=False), resume="auto").state.step == 2
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("name: x\nstages:\n  vocab: {size: 100\n  bad: [\n",
+     "line 4, column 6: expected ',' or '}', but got ':' (while parsing a flow mapping at line 3, column 10)"),
+    ("a: 1\n b: 2\n", "line 2, column 3: mapping values are not allowed here"),
+    ('a: "x\n', "line 2, column 1: found unexpected end of stream (while scanning a quoted scalar at line 1, "
+                "column 4)"),
+])
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_file_line_and_column(tmp_path: Path, text: str,
+                                                                                     expected: str) -> None:
+    """Before: PyYAML's five lines with excerpts and carets, naming the file "<unicode string>"."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(PretrainConfig, path)
+    assert str(e.value) == f"config file {path} is not valid YAML: {expected}"

@@ -355,6 +355,21 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def describe_yaml_error(e: yaml.YAMLError) -> str:
+    """One line with 1-based line and column: PyYAML's own message spans five lines, with source excerpts
+    and carets, and names the text it parsed "<unicode string>"."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem or mark is None:
+        return " ".join(str(e).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and start is not None and (start.line, start.column) != (mark.line, mark.column):
+        where += f" ({context} at line {start.line + 1}, column {start.column + 1})"
+    elif context:
+        where += f" ({context})"
+    return where
+
+
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML or JSON config file into a dict; parse errors name the file."""
     path = Path(path)
@@ -363,8 +378,10 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {describe_yaml_error(e)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -54,6 +54,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def save_torch(obj: Any, path: Path) -> None:
+    """`torch.save` into a Python file: a full disk then raises torch's RuntimeError with the OS's error (ENOSPC) as
+    its context, which `writing` turns into one clear line; torch's own file writer (given a path) says only
+    "basic_ios::clear: iostream error". The archive's inner folder is "archive" whatever the file's name."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def save_model(model: nn.Module, path: Path) -> None:
     """HF-format weights via `save_pretrained` (bertrain models); plain safetensors for other modules."""
     if hasattr(model, "save_pretrained"):
@@ -80,7 +88,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_s
     target = checkpoint_dir(output_dir, step)
     with atomic_dir(target, overwrite=True) as tmp:
         save_model(model, tmp)
-        torch.save(train_state, tmp / TRAIN_STATE)
+        save_torch(train_state, tmp / TRAIN_STATE)
         if config is not None:
             save_config(config, tmp / "config.yaml")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())

@@ -84,7 +84,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=output_dir))
             os.chmod(tmp, dir_mode())
-            torch.save({**train_state, "format": FORMAT}, tmp / ckpt.TRAIN_STATE)
+            ckpt.save_torch({**train_state, "format": FORMAT}, tmp / ckpt.TRAIN_STATE)
             if config is not None:
                 save_config(config, tmp / "config.yaml")
             if isinstance(model, BertPreTrainedModel):  # config.json + tokenizer: a self-contained folder

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +58,9 @@ def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_by
         need = f", about {needed_bytes / 2**20:,.0f} MiB needed" if needed_bytes else ""
         what = "the disk is full" if e.errno == errno.ENOSPC else "your disk quota is used up"
         parts.append(f"{what} ({free}{need}): free space or write elsewhere")
+    elif e.errno == errno.EFBIG:
+        parts.append("a file size limit was reached (ulimit -f, or the filesystem's largest file): raise it or "
+                     "write elsewhere")
     elif e.errno in (errno.EACCES, errno.EPERM):
         parts.append("no permission: choose a folder you can write, or fix its permissions")
     elif e.errno == errno.EROFS:
@@ -83,8 +87,36 @@ def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None
         yield
     except OutputError:
         raise
-    except OSError as e:
-        raise OutputError(describe_os_error(e, doing, kept, needed_bytes)) from e
+    except BaseException as e:
+        # CheckpointException (DCP) derives from BaseException; KeyboardInterrupt and SystemExit pass untouched
+        cause = os_error_in(e) if isinstance(e, Exception) or hasattr(e, "failures") else None
+        if cause is None:
+            raise
+        raise OutputError(describe_os_error(cause, doing, kept, needed_bytes)) from e
+
+
+# Rust's std::io::Error as safetensors and tokenizers print it: "I/O error: No space left on device (os error 28)"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_in(e: BaseException, depth: int = 8) -> OSError | None:
+    """The `OSError` behind a failed write, where a library wrapped it: `torch.save` into a Python file raises
+    RuntimeError("... unexpected pos ...") with the OSError as its context; `torch.distributed.checkpoint` raises
+    CheckpointException with each rank's exception in `failures`; safetensors raises SafetensorError with the errno
+    in its message. None when there is no OSError behind `e`."""
+    if depth < 0 or e is None:
+        return None
+    if isinstance(e, OSError):
+        return e
+    failures = getattr(e, "failures", None)  # DCP: {rank: (exception, traceback) or exception}
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, BaseException) and (found := os_error_in(inner, depth - 1)) is not None:
+            return found
+    if m := _RUST_OS_ERROR.search(str(e)):
+        number = int(m.group(1))
+        return OSError(number, os.strerror(number))
+    return os_error_in(e.__cause__ or e.__context__, depth - 1)  # type: ignore[arg-type]
 
 
 # errno values of the OSErrors a user causes (and can fix): a full disk or quota, a permission, a read-only or
