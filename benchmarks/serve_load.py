@@ -65,7 +65,8 @@ def export_onnx(model: Path, out: Path) -> str:
 
 
 def throughput(model: Path, onnx_dir: Path, items: list[dict], batch_size: int, rounds: int) -> dict:
-    """Examples/s of PyTorch, ONNX Runtime and HF pipeline classifying `items`, interleaved rounds."""
+    """Examples/s of PyTorch (fp32, padded, bf16), ONNX Runtime and HF pipeline classifying `items`, interleaved
+    rounds."""
     from transformers import pipeline
 
     torch_p = Predictor(model, batch_size=batch_size)
@@ -74,6 +75,7 @@ def throughput(model: Path, onnx_dir: Path, items: list[dict], batch_size: int, 
     # same PyTorch model on the padded path separates what the runtime gives from what unpadding gives.
     padded_p = Predictor(model, batch_size=batch_size)
     padded_p.backend.model.bert.unpad = False
+    bf16_p = Predictor(model, batch_size=batch_size, dtype="bf16")  # the whole model in bf16 (predict --dtype bf16)
     hf = pipeline("text-classification", model=str(model), tokenizer=str(model), device=-1)
     hf_inputs = [{"text": it["text"], "text_pair": it["text_pair"]} for it in items]
     results: dict[str, list] = {}
@@ -84,6 +86,7 @@ def throughput(model: Path, onnx_dir: Path, items: list[dict], batch_size: int, 
     sides = [step("pytorch", lambda: torch_p.predict(items)),
              step("onnxruntime", lambda: ort_p.predict(items)),
              step("pytorch_padded", lambda: padded_p.predict(items)),
+             step("pytorch_bf16", lambda: bf16_p.predict(items)),
              step("hf_pipeline", lambda: hf(hf_inputs, batch_size=batch_size, truncation=True))]
     time_interleaved(sides, steps=rounds, warmup=1, device=torch.device("cpu"), measure_memory=False)
     base = [r["label"] for r in results["pytorch"]]

@@ -95,7 +95,7 @@ def test_predict_command_backend_onnxruntime(deploy_models, tmp_path, capsys):
     for backend, model in (("torch", deploy_models["cls"]), ("onnxruntime", deploy_models["cls_onnx"])):
         assert main(["predict", "--model", str(model), "--backend", backend, "--input", str(pairs)]) == 0
         cap = capsys.readouterr()
-        assert f"classification, {backend})" in cap.err
+        assert f"classification, {backend} fp32)" in cap.err
         outs[backend] = [json.loads(line) for line in cap.out.splitlines()]
     assert [r["label"] for r in outs["torch"]] == [r["label"] for r in outs["onnxruntime"]]
     assert len(outs["torch"]) == 3

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-best-size", type=int, default=None,
                         help="QA: start and end candidates per window (default: task.json's, else 20)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="torch backend: the precision the model runs in (bf16/fp16: the whole model cast, half "
+                             "the memory; on a GPU, faster; fp16 on a CPU is slow)")
     parser.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
                         help="what runs the model: torch (a model folder) or onnxruntime (a folder written by "
                              "bertrain export --format onnx; pip install \"bertrain[deploy]\"); the same "
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     p = Predictor(args.model, task=args.task, device=args.device, batch_size=args.batch_size,
-                  max_seq_length=args.max_seq_length, backend=args.backend)
+                  max_seq_length=args.max_seq_length, backend=args.backend, dtype=args.dtype)
     for flag, value in (("--max-answer-length", args.max_answer_length), ("--n-best-size", args.n_best_size)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             atomic_write_text(args.output, "".join(x + "\n" for x in lines))
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} examples in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
-          f"batch size {args.batch_size}, {p.task}, {args.backend})", file=sys.stderr)
+          f"batch size {args.batch_size}, {p.task}, {args.backend} {args.dtype})", file=sys.stderr)
     if tp.truncated:
         print(f"bertrain predict: {tp.truncated} of {tp.examples} inputs were longer than {p.max_seq_length} tokens: "
               f"the model read their first {p.max_seq_length} (pairs: cut longest first, as in fine-tuning); "
@@ -187,5 +190,5 @@ def _predict_squad(p, src: str, args: argparse.Namespace, kwargs: dict) -> int:
               + (f" --na-prob-file {odds})" if null_odds else ")"), file=sys.stderr)
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} questions in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
-          f"batch size {args.batch_size}, {args.backend})", file=sys.stderr)
+          f"batch size {args.batch_size}, {args.backend} {args.dtype})", file=sys.stderr)
     return 0

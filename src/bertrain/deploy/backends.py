@@ -16,6 +16,7 @@ same code for every backend; a backend is only the forward pass.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +29,8 @@ from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassif
 from bertrain.model.hf import model_class_for
 from bertrain.utils.errors import UserError
 
+log = logging.getLogger(__name__)
+
 INPUT_NAMES = ("input_ids", "token_type_ids", "attention_mask")
 TASK_OUTPUTS = {
     "qa": ("start_logits", "end_logits"),
@@ -35,6 +38,8 @@ TASK_OUTPUTS = {
     "encoder": ("last_hidden_state", "pooler_output"),
 }
 BACKENDS = ("torch", "onnxruntime")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`--dtype`: what the torch backend's weights and activations are held in."""
 ONNX_FILE = "model.onnx"
 ONNX_META = "onnx.json"  # written by `bertrain export --format onnx` beside model.onnx
 
@@ -65,13 +70,18 @@ def output_names(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 class TorchBackend:
-    """A PyTorch model in inference mode (its speed options as loaded: classification and QA run unpadded)."""
+    """A PyTorch model in inference mode (its speed options as loaded: classification and QA run unpadded).
+
+    `dtype` "bf16" / "fp16" casts the whole model, as `from_pretrained(torch_dtype=...)` does in transformers, rather
+    than autocasting it: with no gradients and no optimizer there is nothing to keep in fp32, and every weight is read
+    in half the bytes. The outputs are returned in float32 whatever the dtype."""
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu", dtype: str = "fp32") -> None:
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+        self.dtype = dtype
+        self.model = model.to(self.device, DTYPES[dtype]).eval()
         self.output_names = output_names(model)
 
     @torch.no_grad()
@@ -172,14 +182,27 @@ class OnnxRuntimeBackend:
         return dict(zip(self.output_names, self.session.run(list(self.output_names), feed)))
 
 
-def open_backend(kind: str, model_dir: str | os.PathLike, task: str,
-                 device: str | torch.device = "cpu") -> TorchBackend | OnnxRuntimeBackend:
+def check_dtype(dtype: str, kind: str, device: torch.device) -> None:
+    """`--dtype` checked against the backend and device before a model is loaded."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if dtype != "fp32" and kind != "torch":
+        raise UserError(f"--dtype {dtype}: an ONNX export holds float32 weights and runs in float32; --dtype is for "
+                        "the torch backend (give the PyTorch model folder with --backend torch)")
+    if dtype == "fp16" and device.type == "cpu":
+        log.warning("--dtype fp16 on the CPU: CPUs have no fp16 matrix units, so this is several times slower "
+                    "than fp32 (bf16 is what a CPU can run faster, where it has AMX or AVX-512 BF16)")
+
+
+def open_backend(kind: str, model_dir: str | os.PathLike, task: str, device: str | torch.device = "cpu",
+                 dtype: str = "fp32") -> TorchBackend | OnnxRuntimeBackend:
     """The backend `kind` ("torch" or "onnxruntime") for the model in `model_dir`, checked to give `task`'s
-    outputs."""
+    outputs; `dtype` (torch only): fp32, bf16 or fp16."""
     model_dir = Path(model_dir)
+    check_dtype(dtype, kind, parse_device(device))
     if kind == "torch":
         device = check_torch_device(device)  # before loading the model: a wrong --device fails at once
-        backend: TorchBackend | OnnxRuntimeBackend = TorchBackend(load_torch_model(model_dir, task), device)
+        backend: TorchBackend | OnnxRuntimeBackend = TorchBackend(load_torch_model(model_dir, task), device, dtype)
     elif kind == "onnxruntime":
         backend = OnnxRuntimeBackend(model_dir, device)
     else:

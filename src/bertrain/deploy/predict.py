@@ -63,7 +63,8 @@ class Predictor:
     """A loaded model plus its tokenizer, for batched QA or classification predictions."""
 
     def __init__(self, model_dir: str | os.PathLike, task: str | None = None, device: str | torch.device = "cpu",
-                 batch_size: int = 32, max_seq_length: int | None = None, backend: str = "torch") -> None:
+                 batch_size: int = 32, max_seq_length: int | None = None, backend: str = "torch",
+                 dtype: str = "fp32") -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
@@ -82,7 +83,7 @@ class Predictor:
         self.device = parse_device(device)
         # The forward pass only: tokenisation above it and post-processing below it are this class's, the same
         # for every backend.
-        self.backend = open_backend(backend, self.model_dir, task, self.device)
+        self.backend = open_backend(backend, self.model_dir, task, self.device, dtype)
         self.tok = load_task_tokenizer(self.model_dir)
         self.batch_size = batch_size
         self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task)

@@ -459,8 +459,9 @@ def create_app(predictor: Any, cfg: ServeConfig, backend: str = "torch") -> Fast
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     task = predictor.task
+    dtype = getattr(predictor.backend, "dtype", "fp32")  # an ONNX export runs in float32
     metrics = Metrics(cfg)
-    metrics.model.info({"task": task, "backend": backend, "model": str(predictor.model_dir),
+    metrics.model.info({"task": task, "backend": backend, "dtype": dtype, "model": str(predictor.model_dir),
                         "labels": ",".join(map(str, predictor.labels or [])),
                         "max_batch_size": str(cfg.max_batch_size), "max_wait_ms": f"{cfg.max_wait_ms:g}",
                         "max_queue": str(cfg.max_queue), "auth": "api key" if cfg.api_key else "none"})
@@ -501,7 +502,7 @@ def create_app(predictor: Any, cfg: ServeConfig, backend: str = "torch") -> Fast
         if not has_key(request, cfg.api_key):
             return {"status": "ok"}
         b = getattr(request.app.state, "batcher", None)
-        return {"status": "ok", "task": task, "backend": backend, "model": str(predictor.model_dir),
+        return {"status": "ok", "task": task, "backend": backend, "dtype": dtype, "model": str(predictor.model_dir),
                 "labels": predictor.labels, "max_batch_size": cfg.max_batch_size, "max_wait_ms": cfg.max_wait_ms,
                 "max_request_bytes": cfg.max_request_bytes, "max_queue": cfg.max_queue,
                 "stats": vars(b.stats) if b else None}
@@ -654,7 +655,8 @@ def serve(predictor: Any, cfg: ServeConfig, backend: str) -> None:
     else:
         auth = "no API key (--allow-unauthenticated): anyone who can reach the port can use it"
         log.warning("serving on %s without an API key (--allow-unauthenticated)", cfg.host)
-    print(f"bertrain serve: {predictor.model_dir} ({predictor.task}, {backend}) on http://{shown}:{port} "
+    print(f"bertrain serve: {predictor.model_dir} ({predictor.task}, {backend}, "
+          f"{getattr(predictor.backend, 'dtype', 'fp32')}) on http://{shown}:{port} "
           f"(max batch {cfg.max_batch_size}, max wait {cfg.max_wait_ms:g} ms, max queue {cfg.max_queue} items, "
           f"max connections {cfg.max_connections}; {auth})", flush=True)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, finish what is in flight, lifespan shutdown), then
