@@ -507,8 +507,12 @@ class Proc:
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output:\n{self.output[-4000:]}")
 
     def wait(self, timeout: float) -> tuple[int, float]:
-        """(exit code, time it exited)."""
-        rc = self.p.wait(timeout=timeout)
+        """(exit code, time it exited); a process still running after `timeout` fails the test with its output."""
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pid {self.pid} still running after {timeout} s; output:\n"
+                                 f"{self.output[-4000:]}") from None
         t = time.monotonic()
         self._reader.join(timeout=10)
         return rc, t
