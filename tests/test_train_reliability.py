@@ -199,6 +199,33 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last_one(
     assert not list(out.glob(".step-*")) and not (out / "step-4").exists()  # no half-written folder left
 
 
+def test_a_disk_too_small_for_the_checkpoints_to_come_is_said_after_the_first_save(tmp_path, monkeypatch, caplog):
+    """After its first save a run compares that checkpoint's size x the saves still to come with the free space,
+    and warns once (here the free space the OS reports is made small; the run itself writes on the real disk)."""
+    real = ckpt.shutil.disk_usage
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", out, steps=6, save_interval=2)  # saves at 2, 4, 6
+    with caplog.at_level("WARNING", logger="bertrain.train.trainer"):
+        assert main(["pretrain", "--config", str(cfg)]) == 0
+    assert not [r for r in caplog.records if "the disk may fill" in r.getMessage()]  # room on the real disk
+    size = sum(p.stat().st_size for p in (out / "step-2").rglob("*") if p.is_file())
+    # (config.yaml names the output folder: a few bytes more or less than step-2 of `run`)
+    for keep_last, free, warned in ((0, 2 * size - 1000, True), (0, 2 * size + 1000, False),
+                                    (1, size - 1000, True), (1, size + 1000, False)):
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p, free=free: real(p)._replace(free=free))
+        caplog.clear()
+        run = tmp_path / f"run-{keep_last}-{free}"
+        with caplog.at_level("WARNING", logger="bertrain.train.trainer"):
+            assert main(["pretrain", "--config", str(cfg), "--output_dir", str(run),
+                         "--checkpoint.keep_last", str(keep_last)]) == 0  # a warning, not a stop
+        lines = [r.getMessage() for r in caplog.records if "the disk may fill" in r.getMessage()]
+        assert len(lines) == int(warned), (keep_last, free, lines)
+        if warned:  # after the first save (step-2), the saves at 4 and 6 to come
+            assert lines[0].startswith("the disk may fill before this run ends: checkpoint step-2 takes") and \
+                "the 2 still to come" in lines[0] and f"checkpoint.keep_last = {keep_last}" in lines[0], lines[0]
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", real)
+
+
 LIMITED = """
 import resource, signal, sys
 from bertrain.cli import main

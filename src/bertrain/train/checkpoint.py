@@ -101,6 +101,25 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, train_s
     return target
 
 
+def room_warning(output_dir: str | Path, latest: Path, saves_left: int | None, keep_last: int) -> str | None:
+    """A warning when the filesystem of `output_dir` has less free space than the checkpoints still to come need,
+    each about the size of `latest` (just written): one more folder at a time with `keep_last` (the next one is
+    complete before the oldest goes), all `saves_left` with keep_last 0 (the next one when that is unknown: a time
+    budget). None when there is room: the check costs one folder listing and one statvfs."""
+    if saves_left == 0:
+        return None
+    size = sum(p.stat().st_size for p in Path(latest).rglob("*") if p.is_file())
+    count = saves_left if keep_last <= 0 and saves_left is not None else 1
+    free = shutil.disk_usage(output_dir).free
+    if free >= size * count:
+        return None
+    coming = f"the {saves_left} still to come" if saves_left is not None else "the next one"
+    return (f"the disk may fill before this run ends: checkpoint {Path(latest).name} takes {size / 2**20:,.1f} MiB, "
+            f"{coming} need about {size * count / 2**20:,.1f} MiB more (checkpoint.keep_last = {keep_last}), and "
+            f"{free / 2**20:,.1f} MiB are free on {output_dir}; a save that does not fit stops the run with the last "
+            "complete checkpoint kept: free space, lower checkpoint.keep_last or raise checkpoint.save_interval")
+
+
 def export_final(output_dir: str | Path, model: nn.Module, extra_json: dict[str, Any] | None = None,
                  card: CardFacts | None = None) -> Path:
     """Rank 0: the final model in HF format (plus small JSON files such as task.json) in OUTPUT/final, atomically,

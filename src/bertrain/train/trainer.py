@@ -278,6 +278,7 @@ class _Run:
         batches = iter(self.loader)
         empty_epochs = 0  # epochs in a row that ended before a single step: data too small for one global batch
         steps_this_epoch = 0
+        warned_room = False  # the disk-room warning, once a run
         bar = tqdm(total=None if self.total_steps == NO_STEP_LIMIT else self.total_steps, initial=state.step,
                    desc=self.task.name, unit="step", dynamic_ncols=True, disable=not _show_bar(dist))
         last: dict[str, Any] = {}
@@ -338,6 +339,8 @@ class _Run:
                 metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
             if save_due:
                 self.save()
+                if self.dist.is_main and not warned_room:
+                    warned_room = self.warn_if_short_of_room()
             # the throughput of the log interval counts training, not the evaluation and the checkpoint in it (they
             # landed in the next interval's seq/s, tokens/s and data wait; the evaluation has its own eval_s)
             meter.t0 += time.perf_counter() - paused
@@ -374,6 +377,21 @@ class _Run:
             shares += terms.detach()
             meter.add_micro(sums, mb)
         return shares
+
+    def warn_if_short_of_room(self) -> bool:
+        """Rank 0, after a save: warn (once a run) when the checkpoints still to come will not fit on the disk, so
+        that a run does not learn it hours later from a failed save. Returns whether it warned."""
+        interval = self.cfg.checkpoint.save_interval
+        left = None if self.total_steps == NO_STEP_LIMIT else \
+            self.total_steps // interval - self.state.step // interval
+        try:
+            warning = ckpt.room_warning(self.out, ckpt.checkpoint_dir(self.out, self.state.step), left,
+                                        self.cfg.checkpoint.keep_last)
+        except OSError:  # a check, never a reason to stop the run
+            return False
+        if warning:
+            log.warning("%s", warning)
+        return warning is not None
 
     def kept(self) -> str:
         """What a failure now leaves the user: the last complete checkpoint."""
