@@ -226,6 +226,19 @@ def test_a_disk_too_small_for_the_checkpoints_to_come_is_said_after_the_first_sa
         monkeypatch.setattr(ckpt.shutil, "disk_usage", real)
 
 
+def test_the_room_warning_under_a_time_budget_counts_the_next_save(tmp_path, monkeypatch):
+    folder = tmp_path / "step-5"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(b"x" * 4096)
+    real = ckpt.shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=4095))
+    line = ckpt.room_warning(tmp_path, folder, None, 0)  # the number of saves is unknown: the next one
+    assert line is not None and "the next one needs about 0.0 MiB more" in line
+    assert ckpt.room_warning(tmp_path, folder, 0, 0) is None  # no save to come
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    assert ckpt.room_warning(tmp_path, folder, None, 0) is None
+
+
 LIMITED = """
 import resource, signal, sys
 from bertrain.cli import main

@@ -113,9 +113,9 @@ def room_warning(output_dir: str | Path, latest: Path, saves_left: int | None, k
     free = shutil.disk_usage(output_dir).free
     if free >= size * count:
         return None
-    coming = f"the {saves_left} still to come" if saves_left is not None else "the next one"
+    coming = f"the {saves_left} still to come need" if saves_left is not None else "the next one needs"
     return (f"the disk may fill before this run ends: checkpoint {Path(latest).name} takes {size / 2**20:,.1f} MiB, "
-            f"{coming} need about {size * count / 2**20:,.1f} MiB more (checkpoint.keep_last = {keep_last}), and "
+            f"{coming} about {size * count / 2**20:,.1f} MiB more (checkpoint.keep_last = {keep_last}), and "
             f"{free / 2**20:,.1f} MiB are free on {output_dir}; a save that does not fit stops the run with the last "
             "complete checkpoint kept: free space, lower checkpoint.keep_last or raise checkpoint.save_interval")
 
