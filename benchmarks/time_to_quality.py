@@ -36,7 +36,8 @@ Method and fairness:
 * Optimisation, the same numbers on both: AdamW (torch's fused kernel on both: HF's default adamw_torch_fused,
   bertrain's adamw), betas (0.9, 0.999), eps 1e-6, weight decay 0.01 (not on biases and LayerNorm, on both), grad
   clipping at 1.0, --lr, --schedule over --warmup steps (HF's warmup starts at lr 0, bertrain's at lr/warmup: one
-  step apart), batch --batch with no accumulation; fp32 on CPU, bf16 autocast on CUDA; `torch.set_num_threads
+  step apart), batch --batch with no accumulation; --precision on both (auto: fp32 on CPU, bf16 autocast on
+  CUDA); `torch.set_num_threads
   (--threads)` and OMP_NUM_THREADS in both processes; data loading in the training process on both sides (HF
   dataloader_num_workers=0, bertrain data.num_workers=0: on a 2-core machine a loader process would only take
   cores from the model's threads).
@@ -100,6 +101,7 @@ SHARED_DATA = Path(os.environ.get("BERTRAIN_SHARED_DATA", REPO.parent / "shared"
 WIKI = "wiki/enwiki-sample-pages-articles.xml.bz2"
 BUILTIN_TEXT = "builtin:python-docs"  # the corpus of `bertrain run configs/recipes/pydoc-small.yaml`
 SIDES = ("bertrain", "hf")
+PRECISIONS = ("fp32", "bf16")
 SIDE_NAMES = {"bertrain": "bertrain", "hf": "HF Trainer"}
 GOAL_RATIO = 0.5
 SCHEDULES = {"constant_with_warmup": "constant", "linear": "linear"}  # HF name -> bertrain name
@@ -190,6 +192,8 @@ class Settings:
     steps: int = 0
     eval_samples: int = 2048
     sides: list[str] = field(default_factory=lambda: list(SIDES))
+    precision: str = "auto"
+    """fp32 or bf16 (autocast) on both sides; auto: fp32 on CPU, bf16 on CUDA."""
 
     def __post_init__(self) -> None:
         from bertrain.train.config import parse_duration
@@ -215,16 +219,15 @@ class Settings:
             errors.append(f"--sides {','.join(self.sides)}: choose from {','.join(SIDES)}")
         if self.device not in ("cpu", "cuda"):
             errors.append(f"--device {self.device!r}: choose cpu or cuda")
+        if self.precision == "auto":
+            self.precision = "bf16" if self.device == "cuda" else "fp32"
+        elif self.precision not in PRECISIONS:
+            errors.append(f"--precision {self.precision!r}: choose auto, {' or '.join(PRECISIONS)}")
         if errors:
             raise ValueError("; ".join(errors))
 
-    @property
-    def precision(self) -> str:
-        """fp32 on CPU, bf16 autocast on CUDA (both sides)."""
-        return "bf16" if self.device == "cuda" else "fp32"
-
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "budget_s": self.budget_s, "precision": self.precision}
+        return {**asdict(self), "budget_s": self.budget_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Settings:
@@ -899,7 +902,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
                      save_every=args.save_every, vocab_size=args.vocab_size, layers=args.layers, hidden=args.hidden,
                      heads=args.heads, intermediate=args.intermediate, batch=args.batch, seq=args.seq, lr=args.lr,
                      warmup=args.warmup, schedule=args.schedule, steps=args.steps or 0,
-                     eval_samples=args.eval_samples, sides=[x for x in args.sides.split(",") if x])
+                     eval_samples=args.eval_samples, sides=[x for x in args.sides.split(",") if x],
+                     precision=args.precision)
     except ValueError as e:
         raise SystemExit(f"time_to_quality pretrain: {e}") from None
     check_device(s.device)
@@ -967,6 +971,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--budget", default=d.budget, help=f"wall-clock budget per run, e.g. 10m, 90s (default {d.budget})")
     a("--seeds", type=int, nargs="+", default=d.seeds, help="one run per side per seed (default 1 2)")
     a("--device", choices=["cpu", "cuda"], default=d.device)
+    a("--precision", choices=["auto", *PRECISIONS], default="auto",
+      help="both sides: fp32, or bf16 autocast (auto: fp32 on CPU, bf16 on CUDA; bf16 also runs on a CPU, fast "
+           "where it has bf16 instructions such as AVX-512 BF16 or AMX)")
     a("--threads", type=int, default=d.threads, help=f"torch threads in both processes (default {d.threads})")
     a("--save-every", type=int, default=d.save_every, metavar="STEPS",
       help=f"checkpoint every this many steps, and at the end (default {d.save_every}: with the default model on 2 "

@@ -67,9 +67,10 @@ Fairness: equal settings
   pre-tokenised in-memory list (faster to index than run_glue's Arrow dataset: favours HF).
 * Loader: HF `dataloader_num_workers=0`; bertrain's ArrayLoader indexes in-memory arrays in the training process,
   the same arrangement. Progress bars off on both; a loss log line every LOG_EVERY steps on both.
-* Numerics: fp32 on CPU, bf16 autocast on CUDA, on both sides; the same thread count (OMP_NUM_THREADS and
-  torch.set_num_threads) in both children and the scorer. Each side keeps its own defaults otherwise (HF: SDPA
-  attention; bertrain: its model options such as unpadding): those are what is compared.
+* Numerics: --precision on both sides (auto: fp32 on CPU, bf16 autocast on CUDA; the scorer evaluates in it
+  too); the same thread count (OMP_NUM_THREADS and torch.set_num_threads) in both children and the scorer. Each
+  side keeps its own defaults otherwise (HF: SDPA attention; bertrain: its model options such as unpadding): those
+  are what is compared.
 * `--budget` caps each run's training loop: bertrain's `train.max_time`; on HF a TrainerCallback stops (and
   saves) after the first step that started past the budget, as bertrain does. The learning-rate schedule still
   spans --epochs on both sides.
@@ -120,6 +121,7 @@ class Settings:
     seeds: list[int]
     sides: list[str]
     device: str
+    precision: str  # fp32 or bf16 (autocast), both sides
     threads: int
     epochs: float
     budget: str
@@ -133,13 +135,14 @@ class Settings:
     init: Path
     keep_checkpoints: bool
 
-    @property
-    def precision(self) -> str:
-        return "bf16" if self.device == "cuda" else "fp32"
-
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def precision_of(settings: dict[str, Any]) -> str:
+    """The precision of stored settings (results.json from before --precision: fp32 on CPU, bf16 on CUDA)."""
+    return settings.get("precision") or ("bf16" if settings["device"] == "cuda" else "fp32")
 
 
 def default_data_dir() -> Path:
@@ -170,7 +173,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default="mrpc,sst2", help="comma-separated GLUE classification tasks (mrpc,sst2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds (each side runs each seed)")
     p.add_argument("--sides", default="bertrain,hf", help="bertrain, hf or both (comma-separated)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (fp32) or cuda (bf16)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu or cuda")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="both sides: fp32, or bf16 autocast (auto: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--threads", type=int, default=usable_cpus(),
                    help="CPU threads of every process (default: the usable CPUs, %(default)s here)")
     p.add_argument("--epochs", type=float, default=3.0, help="epochs (fractions allowed; default 3)")
@@ -226,7 +231,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--init {init}: need an HF-format folder with config.json and vocab.txt")
     budget_s = parse_duration("--budget", args.budget) if args.budget else None
     # absolute paths: the children get them in their configs, whatever their working folder
+    precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "fp32")
     return Settings(out=args.out.resolve(), tasks=tasks, seeds=list(args.seeds), sides=sides, device=args.device,
+                    precision=precision,
                     threads=args.threads, epochs=args.epochs, budget=args.budget, budget_s=budget_s,
                     save_every=args.save_every, lr=args.lr, batch=args.batch, max_seq_length=args.max_seq_length,
                     hf_pad_to_max=args.hf_pad_to_max, data_dir=args.data_dir.resolve(), init=init.resolve(),
@@ -434,7 +441,8 @@ def run_hf(settings: Settings, plan: TaskPlan, seed: int, init: Path, task_dir: 
     spec = {"init": str(init), "train_file": str(train_file), "output_dir": str(run_dir), "seed": seed,
             "lr": settings.lr, "batch": settings.batch, "max_steps": plan.total_steps,
             "warmup_steps": plan.warmup_steps, "save_every": plan.save_every, "budget_s": settings.budget_s,
-            "threads": settings.threads, "device": settings.device, "pad_to_max": settings.hf_pad_to_max,
+            "threads": settings.threads, "device": settings.device, "precision": settings.precision,
+            "pad_to_max": settings.hf_pad_to_max,
             "max_seq_length": settings.max_seq_length, "saves": str(run_dir / "saves.jsonl")}
     spec_file = task_dir / f"hf-s{seed}.json"
     spec_file.write_text(json.dumps(spec, indent=1))
@@ -488,7 +496,7 @@ def hf_child(spec_file: str, t0: float) -> int:
     pad = {"padding": "max_length", "max_length": spec["max_seq_length"]} if spec["pad_to_max"] else {}
     on_cpu = spec["device"] == "cpu"
     args = TrainingArguments(
-        output_dir=spec["output_dir"], seed=spec["seed"], use_cpu=on_cpu, bf16=not on_cpu,
+        output_dir=spec["output_dir"], seed=spec["seed"], use_cpu=on_cpu, bf16=spec["precision"] == "bf16",
         per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1, max_steps=spec["max_steps"],
         learning_rate=spec["lr"], lr_scheduler_type="linear", warmup_steps=spec["warmup_steps"],
         optim="adamw_torch_fused", adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
@@ -711,7 +719,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     lines = ["# Time to quality: fine-tuning, bertrain vs HF Trainer", "",
              f"From {s['init']}; lr {s['lr']}, batch {s['batch']}, {s['epochs']:g} epochs"
              + (f", budget {s['budget']} per run" if s["budget"] else "")
-             + f", max_seq_length {s['max_seq_length']}, {s['device']} ({'bf16' if s['device'] == 'cuda' else 'fp32'}),"
+             + f", max_seq_length {s['max_seq_length']}, {s['device']} ({precision_of(s)}),"
              f" {s['threads']} threads, HF padding {'to max_seq_length' if s['hf_pad_to_max'] else 'per batch'}. "
              f"Machine: {results['machine'].get('cpu')}, GPUs: {results['machine'].get('gpus')}. "
              "Run order and load averages: results.json. Method and fairness: benchmarks/ttq_finetune.py.", ""]

@@ -194,6 +194,22 @@ def test_pretrain_refuses_a_non_empty_out_and_bad_settings(tmp_path: Path) -> No
     assert not (tmp_path / "new").exists()
 
 
+def test_precision_is_the_same_on_both_sides_and_auto_follows_the_device(tmp_path: Path) -> None:
+    assert ttq.Settings().precision == "fp32" and ttq.Settings(device="cuda").precision == "bf16"
+    s = ttq.Settings(precision="bf16")  # bf16 autocast on a CPU, on both sides
+    data = ttq.DataPaths(tmp_path)
+    assert ttq.bertrain_config(s, 1, data, tmp_path / "b")["precision"] == {"mode": "bf16"}
+    hf = ttq.hf_arguments(s, 1, tmp_path / "h")
+    assert (hf["bf16"], hf["use_cpu"]) == (True, True)
+    assert ttq.hf_arguments(ttq.Settings(), 1, tmp_path / "h")["bf16"] is False
+    assert ttq.Settings.from_json(s.to_json()).precision == "bf16"
+    assert ttq.Settings.from_json({"device": "cpu", "precision": "fp32"}).precision == "fp32"  # an older results.json
+    with pytest.raises(ValueError, match="--precision 'fp16': choose auto, fp32 or bf16"):
+        ttq.Settings(precision="fp16")
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        ttq.main(["pretrain", "--out", str(tmp_path / "new"), "--precision", "fp16"])
+
+
 def test_finetune_forwards_its_arguments_to_ttq_finetune(monkeypatch) -> None:
     seen = []
     fake = type(sys)("ttq_finetune")

@@ -476,7 +476,9 @@ class Proc:
     """One `bertrain pretrain` process whose output is read as it comes (so a full pipe never blocks it)."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # faulthandler on: a process that outlives its deadline is sent SIGABRT, which prints every thread's stack
+        self.p = subprocess.Popen(argv, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -511,8 +513,13 @@ class Proc:
         try:
             rc = self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"pid {self.pid} still running after {timeout} s; output:\n"
-                                 f"{self.output[-4000:]}") from None
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGABRT)  # faulthandler: where each of its threads is
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.p.wait(timeout=10)
+            self._reader.join(timeout=10)
+            raise AssertionError(f"pid {self.pid} still running after {timeout} s; its output, then its threads' "
+                                 f"stacks:\n{self.output[-8000:]}") from None
         t = time.monotonic()
         self._reader.join(timeout=10)
         return rc, t

@@ -233,11 +233,27 @@ def test_cli_refuses_bad_input(tmp_path, capsys):
 
 
 def test_plan_matches_both_sides_step_counts():
-    s = ttq.Settings(out=Path("x"), tasks=["mrpc"], seeds=[1], sides=["bertrain"], device="cpu", threads=1,
-                     epochs=3.0, budget="", budget_s=None, save_every=None, lr=5e-5, batch=32, max_seq_length=128,
+    s = ttq.Settings(out=Path("x"), tasks=["mrpc"], seeds=[1], sides=["bertrain"], device="cpu", precision="fp32",
+                     threads=1, epochs=3.0, budget="", budget_s=None, save_every=None, lr=5e-5, batch=32, max_seq_length=128,
                      hf_pad_to_max=False, data_dir=Path("."), init=Path("."), keep_checkpoints=False)
     plan = ttq.plan_task(s, "mrpc", 3668)
     assert (plan.total_steps, plan.warmup_steps, plan.save_every) == (345, 34, 29)  # 115 steps an epoch
+
+
+def test_precision_reaches_both_sides_and_auto_follows_the_device(tmp_path):
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "config.json").write_text("{}")
+    (init / "vocab.txt").write_text("[PAD]\n")
+    argv = ["--out", str(tmp_path / "o"), "--tasks", "mrpc", "--init", str(init)]
+    assert ttq.settings_from_args(ttq.parse_args(argv)).precision == "fp32"  # auto on a CPU
+    s = ttq.settings_from_args(ttq.parse_args(argv + ["--precision", "bf16"]))
+    assert s.precision == "bf16" and s.to_json()["precision"] == "bf16"
+    plan = ttq.plan_task(s, "mrpc", 3668)
+    assert ttq.bertrain_config(s, plan, 1, init, tmp_path / "r")["precision"] == {"mode": "bf16"}
+    # results.json written before --precision existed: what the device implied
+    assert (ttq.precision_of({"device": "cpu"}), ttq.precision_of({"device": "cuda"})) == ("fp32", "bf16")
+    assert ttq.precision_of({"device": "cpu", "precision": "bf16"}) == "bf16"
 
 
 @pytest.mark.slow
