@@ -460,3 +460,34 @@ def test_evaluate_names_predictions_for_unknown_questions(tmp_path, caplog, caps
     assert sorted(msgs) == [f"2 of 4 predictions are for question ids not in {data} (ignored), e.g. x9, x8",
                             "2 of 4 questions have no prediction (score 0), e.g. q2, q3"]
     assert json.loads(capsys.readouterr().out) == {"exact_match": 50.0, "f1": 50.0}
+
+
+def test_the_console_script_and_python_m_end_alike_without_teardown_after_joining_a_group(monkeypatch) -> None:
+    """`bertrain` (the console script: what srun and mpirun start) and `python -m bertrain` (torchrun -m) both go
+    through `cli.entry`: after joining a process group the process ends with os._exit (no destructors of gloo's
+    threads, nor of a failed run's kept objects), else with sys.exit."""
+    import tomllib
+
+    import torch.distributed as torch_dist
+
+    import bertrain.cli as cli
+
+    repo = Path(__file__).resolve().parents[1]
+    assert tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"] == {"bertrain": "bertrain.cli:entry"}
+    assert "from bertrain.cli import entry" in (repo / "src" / "bertrain" / "__main__.py").read_text()
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(SystemExit) as plain:  # no group joined: the normal exit
+        cli.entry()
+    assert plain.value.code == 3
+    monkeypatch.setattr(torch_dist, "_bertrain_joined", True, raising=False)
+    with pytest.raises(Exited) as joined:
+        cli.entry()
+    assert joined.value.args == (3,)

@@ -242,3 +242,48 @@ def test_one_rank_group_of_a_named_backend_runs_ddp_and_fsdp_and_equals_the_plai
         assert losses(tmp_path / name) == losses(plain)
     for name in ("ddp", "fsdp"):
         assert all(torch.equal(finals[name][k], finals["plain"][k]) for k in finals["plain"]), name
+
+
+def _failed_run_worker(rank: int, world_size: int) -> None:
+    import gc
+    import weakref
+
+    import torch.distributed as torch_dist
+
+    from bertrain.train.config import DistributedConfig
+    from bertrain.train.distributed import distributed_context, kept_until_exit
+
+    class Trainer:  # stands for what a failed run's frames hold: the model, DDP's reducer, the process group
+        pass
+
+    def train() -> None:
+        trainer = Trainer()
+        refs.append(weakref.ref(trainer))
+        raise RuntimeError("a collective failed")
+
+    refs: list = []
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        with distributed_context(DistributedConfig(backend="gloo")):  # a one-rank gloo group
+            assert torch_dist.is_initialized()
+            train()
+    assert not torch_dist.is_initialized()  # the group itself is destroyed as before
+    gc.collect()
+    assert refs[0]() is not None, "a failed distributed run's objects must be kept for os._exit"
+    assert len(kept_until_exit()) == 1
+    kept_until_exit().clear()
+    gc.collect()
+    assert refs[0]() is None  # kept by the failure alone
+    # without a process group nothing is kept: a failure there frees what it held, as any Python error does
+    refs.clear()
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        with distributed_context(DistributedConfig()):
+            assert not torch_dist.is_initialized()
+            train()
+    gc.collect()
+    assert refs[0]() is None and not kept_until_exit()
+
+
+def test_a_failed_distributed_run_keeps_its_objects_for_the_exit_not_for_destructors() -> None:
+    """After a failed collective, freeing the run's objects (DDP's reducer, then the process group, joining its
+    worker threads with the GIL held) could hang for good; the failure keeps them until `cli.entry`'s os._exit."""
+    spawn(_failed_run_worker, 1)

@@ -211,6 +211,30 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def entry() -> None:
+    """The `bertrain` command, as a console script and as `python -m bertrain` (so also under torchrun, srun and
+    mpirun): `main()`, then the exit.
+
+    A process that joined a process group ends without the interpreter's teardown: gloo's and the store's C++
+    threads are destroyed there in no fixed order, which intermittently aborts an otherwise finished run
+    ("terminate called without an active exception", exit -6), and a failed run's objects are kept for the exit
+    on purpose (`train.distributed.keep_until_exit`). Every output is already written and closed (atomic writes,
+    the group destroyed by `distributed_context`); only the streams need flushing."""
+    code = main()
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and getattr(torch_dist, "_bertrain_joined", False):
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):  # a closed pipe: nothing more can be said
+                    pass
+            os._exit(code or 0)
+    sys.exit(code)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM outside a training loop (whose own handler saves a checkpoint first): stop as Ctrl-C does."""
 

@@ -89,7 +89,7 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
                                                cfg.timeout_s, e)) from None
         # who is who, so that an error about rank r can name its pid and host even if r never said anything else
         _identities[:] = gather_objects(me)
-        torch_dist._bertrain_joined = True  # python -m bertrain skips the interpreter's teardown (__main__.py)
+        torch_dist._bertrain_joined = True  # the process ends without the interpreter's teardown (cli.entry)
         check_layout(_identities)
         if rank == 0:
             log.info("%s", describe_layout(layout, backend, _identities))
@@ -465,6 +465,29 @@ def distributed_context(cfg: DistributedConfig | None = None) -> Iterator[DistIn
     owner = not (torch_dist.is_available() and torch_dist.is_initialized())
     try:
         yield init_distributed(cfg)
+    except BaseException as e:
+        if owner and is_distributed():
+            keep_until_exit(e)
+        raise
     finally:
         if owner:
             cleanup()
+
+
+_kept: list[BaseException] = []
+
+
+def keep_until_exit(failure: BaseException) -> None:
+    """Keep a failed distributed run's objects (held by the failure's traceback: the model, DDP's reducer and
+    through it the process group) alive until the process ends, which a process that joined a group does with
+    os._exit (`bertrain.cli.entry`), without destructors. After a failed collective a backend thread may still be
+    finishing the failed work, and can need the GIL for it, while freeing the group from the main thread joins
+    that thread with the GIL held: seen as a survivor of a frozen rank 0 that printed its one-line error and then
+    hung for good in that destructor (1 run in ~25 under load), so that the launcher never saw it exit. The
+    process group itself is destroyed before (`cleanup`): only the objects' memory is left to the exit."""
+    _kept.append(failure)
+
+
+def kept_until_exit() -> list[BaseException]:
+    """What `keep_until_exit` holds (for tests)."""
+    return _kept
