@@ -37,8 +37,10 @@ def test_readme_has_the_two_commands() -> None:
     text = README.read_text(encoding="utf-8")
     assert "bertrain run configs/recipes/pydoc-small.yaml" in text  # the main job: raw text to evaluated model
     assert "bertrain pretrain --config configs/quickstart.yaml" in text  # pretraining alone
-    assert "python -m pytest -q tests" in text
-    assert "-m pytest -q tests" in (README.parent / ".ci" / "run").read_text()
+    # CI runs the README's test command (the same pytest options)
+    test_command = "-m pytest -q -n 2 --dist loadfile tests"
+    assert f"python {test_command}" in text
+    assert test_command in (README.parent / ".ci" / "run").read_text()
 
 
 @pytest.mark.parametrize("argv", readme_commands(), ids=lambda a: " ".join(a)[:60])
