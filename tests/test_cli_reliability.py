@@ -473,7 +473,8 @@ def test_the_console_script_and_python_m_end_alike_without_teardown_after_joinin
     import bertrain.cli as cli
 
     repo = Path(__file__).resolve().parents[1]
-    assert tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"] == {"bertrain": "bertrain.cli:entry"}
+    scripts = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"bertrain": "bertrain.cli:entry"}
     assert "from bertrain.cli import entry" in (repo / "src" / "bertrain" / "__main__.py").read_text()
 
     class Exited(Exception):

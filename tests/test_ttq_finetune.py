@@ -234,8 +234,9 @@ def test_cli_refuses_bad_input(tmp_path, capsys):
 
 def test_plan_matches_both_sides_step_counts():
     s = ttq.Settings(out=Path("x"), tasks=["mrpc"], seeds=[1], sides=["bertrain"], device="cpu", precision="fp32",
-                     threads=1, epochs=3.0, budget="", budget_s=None, save_every=None, lr=5e-5, batch=32, max_seq_length=128,
-                     hf_pad_to_max=False, data_dir=Path("."), init=Path("."), keep_checkpoints=False)
+                     threads=1, epochs=3.0, budget="", budget_s=None, save_every=None, lr=5e-5, batch=32,
+                     max_seq_length=128, hf_pad_to_max=False, data_dir=Path("."), init=Path("."),
+                     keep_checkpoints=False)
     plan = ttq.plan_task(s, "mrpc", 3668)
     assert (plan.total_steps, plan.warmup_steps, plan.save_every) == (345, 34, 29)  # 115 steps an epoch
 
