@@ -171,6 +171,12 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], path: str | Path, 
 
 # ----------------------------------------------------------------------------------------------- settings
 
+def resolve_precision(precision: str | None, device: str) -> str:
+    """Both benchmarks' --precision: auto (or none given, as in a results.json from before the option) is fp32 on a
+    CPU and bf16 autocast on CUDA."""
+    return precision if precision and precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
 @dataclass
 class Settings:
     """What one comparison runs with (the `pretrain` options); stored in results.json."""
@@ -219,10 +225,9 @@ class Settings:
             errors.append(f"--sides {','.join(self.sides)}: choose from {','.join(SIDES)}")
         if self.device not in ("cpu", "cuda"):
             errors.append(f"--device {self.device!r}: choose cpu or cuda")
-        if self.precision == "auto":
-            self.precision = "bf16" if self.device == "cuda" else "fp32"
-        elif self.precision not in PRECISIONS:
+        if self.precision != "auto" and self.precision not in PRECISIONS:
             errors.append(f"--precision {self.precision!r}: choose auto, {' or '.join(PRECISIONS)}")
+        self.precision = resolve_precision(self.precision, self.device)
         if errors:
             raise ValueError("; ".join(errors))
 

@@ -141,8 +141,8 @@ class Settings:
 
 
 def precision_of(settings: dict[str, Any]) -> str:
-    """The precision of stored settings (results.json from before --precision: fp32 on CPU, bf16 on CUDA)."""
-    return settings.get("precision") or ("bf16" if settings["device"] == "cuda" else "fp32")
+    """The precision of stored settings (results.json from before --precision: what the device implied)."""
+    return time_to_quality().resolve_precision(settings.get("precision"), settings["device"])
 
 
 def default_data_dir() -> Path:
@@ -231,7 +231,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--init {init}: need an HF-format folder with config.json and vocab.txt")
     budget_s = parse_duration("--budget", args.budget) if args.budget else None
     # absolute paths: the children get them in their configs, whatever their working folder
-    precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "fp32")
+    precision = precision_of({"precision": args.precision, "device": args.device})
     return Settings(out=args.out.resolve(), tasks=tasks, seeds=list(args.seeds), sides=sides, device=args.device,
                     precision=precision,
                     threads=args.threads, epochs=args.epochs, budget=args.budget, budget_s=budget_s,
