@@ -5,7 +5,8 @@ time-to-quality numbers). Run by hand on an idle machine:
 
 The same model folder for both (bertrain's `load_model` and transformers' `BertForSequenceClassification`), the same
 training batches (the first `--steps` x `--batch` examples of the train split, each batch cut to its longest row as
-`DataCollatorWithPadding` and bertrain's trim_padding do), fused AdamW on both, fp32, `--threads` threads. Each side
+`DataCollatorWithPadding` and bertrain's trim_padding do), fused AdamW on both, `--precision` (fp32, or the forward
+under bf16 autocast as both trainers run it), `--threads` threads. Each side
 runs `--warmup` untimed steps, then `--steps` steps under torch.profiler; prints each side's step time (median of
 the profiled steps, timed by perf_counter), the real and padded tokens, and the top operators by self CPU time.
 This is the same forward/backward/optimizer step the two trainers run, without their loops (loader, logging,
@@ -19,6 +20,7 @@ and its ratio to the first side. This is the measurement for small differences (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import time
@@ -66,8 +68,19 @@ def build(side: str, init: str, jagged: bool = False) -> torch.nn.Module:
     return BertForSequenceClassification.from_pretrained(init, num_labels=2)
 
 
-def training_step(side: str, init: str, jagged: bool = False) -> Callable[[dict], None]:
+def forward_context(precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The forward pass's context: nothing for fp32, CPU bf16 autocast for bf16 (bertrain's `Precision.autocast`
+    and HF Trainer's `bf16=True` both wrap the forward and loss alone)."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    raise SystemExit(f"--precision: unknown {precision!r}; choose fp32 or bf16")
+
+
+def training_step(side: str, init: str, jagged: bool = False, precision: str = "fp32") -> Callable[[dict], None]:
     """One side's fine-tuning step (forward, backward, clipping, fused AdamW) on its own model from `init`."""
+    context = forward_context(precision)
     torch.manual_seed(0)
     model = build(side, init, jagged).train()
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
@@ -76,8 +89,9 @@ def training_step(side: str, init: str, jagged: bool = False) -> Callable[[dict]
                             lr=5e-5, eps=1e-6, fused=True)
 
     def step(b: dict) -> None:
-        out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
-                    attention_mask=b["attention_mask"], labels=b["labels"])
+        with context():
+            out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
+                        attention_mask=b["attention_mask"], labels=b["labels"])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -86,22 +100,23 @@ def training_step(side: str, init: str, jagged: bool = False) -> Callable[[dict]
 
 
 def interleaved(sides: list[str], init: str, data: list[dict], rounds: int, warmup: int,
-                jagged: bool = False) -> dict[str, dict]:
+                jagged: bool = False, precision: str = "fp32") -> dict[str, dict]:
     """Every side's step on batch i, alternating the sides' order each round (bertrain.bench.timing)."""
     from bertrain.bench.timing import Side, time_interleaved
 
     def cycling(step: Callable[[dict], None]) -> Callable[[], None]:
         batches = itertools.cycle(data)
         return lambda: step(next(batches))
-    timed = [Side(s, cycling(training_step(s, init, jagged))) for s in sides]
+    timed = [Side(s, cycling(training_step(s, init, jagged, precision))) for s in sides]
     time_interleaved(timed, rounds, warmup, torch.device("cpu"), measure_memory=False)
     first = statistics.median(timed[0].times)
     return {s.name: {"step_ms": statistics.median(s.times) * 1e3, "vs_first": statistics.median(s.times) / first,
                      "all_ms": [round(t * 1e3) for t in s.times]} for s in timed}
 
 
-def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int, jagged: bool = False) -> dict:
-    step = training_step(side, init, jagged)
+def profile_side(side: str, init: str, data: list[dict], warmup: int, rows: int, jagged: bool = False,
+                 precision: str = "fp32") -> dict:
+    step = training_step(side, init, jagged, precision)
     for b in data[:warmup]:
         step(b)
     times = []
@@ -129,6 +144,8 @@ def main() -> None:
     ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=15, help="operators shown per side")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="both sides: fp32, or the forward under CPU bf16 autocast")
     ap.add_argument("--jagged-attention", action="store_true", help="bertrain: attention on nested tensors")
     ap.add_argument("--sides", default="bertrain,hf", help=f"comma-separated: {', '.join(SIDES)}")
     ap.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
@@ -140,13 +157,14 @@ def main() -> None:
     data = batches(args.task, args.init, data_dir, args.batch, args.warmup + args.steps, args.max_seq_length)
     if args.interleaved:
         result = interleaved(args.sides.split(","), args.init, data, args.interleaved, args.warmup,
-                             args.jagged_attention)
+                             args.jagged_attention, args.precision)
         for side, r in result.items():
             print(f"{side}: median step {r['step_ms']:.0f} ms, {r['vs_first']:.3f} of the first; all {r['all_ms']}")
         return
     results = {}
     for side in args.sides.split(","):
-        results[side] = r = profile_side(side, args.init, data, args.warmup, args.rows, args.jagged_attention)
+        results[side] = r = profile_side(side, args.init, data, args.warmup, args.rows, args.jagged_attention,
+                                         args.precision)
         print(f"\n=== {side}: median step {r['step_ms']:.0f} ms; {r['real_tokens']} real of {r['padded_tokens']} "
               f"padded tokens in the profiled steps\n{r['table']}")
     for side in results:
