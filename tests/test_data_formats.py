@@ -327,6 +327,56 @@ def test_truncated_gz_and_xz_keep_the_text_before_the_cut(shakespeare, tmp_path,
     assert len(got) >= len(reference) - 1 and got[: len(reference) - 1] == reference[:-1] == docs[: len(reference) - 1]
 
 
+@pytest.mark.parametrize("name,kind", [("plain.txt.gz", "gzip"), ("plain.xml.bz2", "bzip2"), ("plain.txt.xz", "xz"),
+                                       ("plain.jsonl.zst", "zstd")])
+def test_a_file_that_is_not_what_its_suffix_says_is_one_clear_error(shakespeare, tmp_path, name, kind):
+    """Plain text named .gz was counted as an empty, truncated file and dropped whole, exit 0."""
+    path = tmp_path / name
+    path.write_bytes(shakespeare[0].read_bytes()[:20000])
+    with pytest.raises(UserError) as e:
+        raw_texts([path])
+    assert str(e.value).startswith(f"input {path} is not {kind} data (")
+    assert "decompress or rename it" in str(e.value)
+
+
+def test_a_damaged_compressed_file_is_an_error_not_a_truncation(shakespeare, tmp_path, capsys):
+    """A full-length file with damaged bytes in its middle was "truncated" with a warning and exit 0, its rest
+    (half of its documents) lost; now one line naming the file and the byte, and nothing is prepared."""
+    path, docs = shakespeare
+    data = bytearray(bz2.compress(path.read_bytes()))
+    middle = len(data) // 2
+    data[middle:middle + 100] = bytes(b ^ 0xFF for b in data[middle:middle + 100])
+    (tmp_path / "damaged.txt.bz2").write_bytes(bytes(data))
+    zst = bytearray(zstandard.ZstdCompressor(level=3, write_checksum=True).compress(path.read_bytes()))
+    zst[len(zst) // 2] ^= 0x01  # no decoding error but the frame's checksum
+    (tmp_path / "damaged.txt.zst").write_bytes(bytes(zst))
+    for name in ("damaged.txt.bz2", "damaged.txt.zst"):
+        damaged = tmp_path / name
+        with pytest.raises(UserError) as e:
+            raw_texts([damaged])
+        assert str(e.value).startswith(f"input {damaged} is damaged at byte ")
+        assert f"of {damaged.stat().st_size:,} (" in str(e.value) and "download or copy it again" in str(e.value)
+    out = tmp_path / "prepared"
+    args = ["prepare", "--input", str(path), str(tmp_path / "damaged.txt.bz2"), "--output", str(out),
+            "--vocab-file", TINY_VOCAB, "--masking", "dynamic"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "damaged.txt.bz2 is damaged at byte" in err[-1] and not out.exists()
+
+
+def test_a_json_array_is_named_as_one(tmp_path):
+    """A JSON array was read as one JSON Lines line without a text field (or as lines of invalid JSON) and skipped,
+    with advice to name the text field."""
+    docs = [{"text": f"Document number {i} of the array."} for i in range(3)]
+    (tmp_path / "one-line.json").write_text(json.dumps(docs))
+    (tmp_path / "pretty.json").write_text(json.dumps(docs, indent=2))
+    for name in ("one-line.json", "pretty.json"):
+        with pytest.raises(UserError) as e:
+            raw_texts([tmp_path / name])
+        assert str(e.value).startswith(f"{tmp_path / name} is a JSON array, not JSON Lines")
+        assert f"jq -c '.[]' {name}" in str(e.value)
+
+
 def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": ["Some text."]}), tmp_path / "c.parquet")
     (tmp_path / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"Some text.\n"))

@@ -350,9 +350,16 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def _read_jsonl(path: str, text_field: str, report: SkipReport, encoding: str = "utf-8",
                 progress: InputProgress | None = None) -> Iterator[RawDocument]:
     with CountingReader(path, progress) as reader:
+        first = True
         for lineno, line in enumerate(text_lines(reader, path, report, encoding), 1):
             if not line.strip():
                 continue
+            if first and line.lstrip().startswith("["):  # a list has no text field: every line would be skipped
+                name = Path(path).name
+                raise UserError(f"{path} is a JSON array, not JSON Lines (one JSON object per line, what .json and "
+                                f".jsonl inputs are read as): convert it, e.g. jq -c '.[]' {name} > "
+                                f"{name.split('.')[0]}.jsonl")
+            first = False
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
