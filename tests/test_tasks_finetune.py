@@ -157,7 +157,7 @@ def test_bad_config_and_data_errors(tmp_path, tiny_model, capsys):
     with pytest.raises(SystemExit):  # and on the command line argparse refuses it
         main([*base, "--data-dir", str(tmp_path), "--optim.nme", "adamw"])
     assert main([*base, "--data-dir", str(tmp_path / "nowhere")]) == 2
-    assert "train.tsv does not exist" in capsys.readouterr().err
+    assert f"config key 'data.data_dir' (--data-dir): {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     assert main(["finetune", "glue", "--task", "xnli", "--data-dir", ".", "--init", ".", "--output", "o"]) == 2
     assert "unknown GLUE task 'xnli'" in capsys.readouterr().err
     assert main(["finetune", "squad", "--init", str(tiny_model), "--output", str(tmp_path / "o")]) == 2

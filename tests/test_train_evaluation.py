@@ -59,6 +59,24 @@ def test_best_and_early_stopping_follow_the_history() -> None:
         EvalHistory().update(1, 0, {"f1": 1.0, "other": 0.0}, "nope", EvalConfig())
 
 
+def test_a_resumed_stop_is_decided_again_under_the_eval_settings_of_the_resume() -> None:
+    h, stop = _history([0.5, 0.71, 0.72], metric="mlm_acc", target=0.7)
+    assert stop == 1 and "eval.target = 0.7" in h.stop_reason
+    h.recheck_stop("mlm_acc", EvalConfig(target=0.7))
+    assert "eval.target = 0.7" in h.stop_reason  # the same settings: the same stop
+    h.recheck_stop("mlm_acc", EvalConfig(target=0.9))
+    assert h.stop_reason is None  # a higher target (--allow-config-change): the run goes on
+    h, stop = _history([0.5, 0.4, 0.3], patience=2)
+    assert stop == 2
+    h.recheck_stop("f1", EvalConfig(patience=2, target=0.2))
+    assert "eval.target = 0.2" in h.stop_reason
+    h.recheck_stop("f1", EvalConfig(patience=3))
+    assert h.stop_reason is None
+    h.stop_reason = "stopped by the search after step 30 (f1 0.3)"
+    h.recheck_stop("f1", EvalConfig())
+    assert h.stop_reason.startswith("stopped by the search")  # a search's decision stands
+
+
 def test_eval_settings_that_cannot_work_are_refused_naming_the_key() -> None:
     with pytest.raises(ValueError, match="eval.patience"):
         EvalConfig(patience=-1)
@@ -273,6 +291,15 @@ def test_finetune_stops_where_the_history_says_and_ends_with_the_best(tmp_path: 
         timeout=600)
     assert r.returncode == 0 and "the run stopped at step 9" in r.stderr, r.stderr[-3000:]
     assert json.loads((out / "eval_results.json").read_text())["selection"] == sel
+    # a changed patience, allowed: applied (it was reported as applied, and the run stopped again at step 9)
+    r = subprocess.run([sys.executable, "-m", "bertrain", *finetune_argv(
+        "glue", data, model, out, 40, "--eval.interval", "3", "--eval.patience", "4", "--eval.min_delta", "2",
+        "--data.predict_test", "false", "--resume", "auto", "--allow-config-change")], env=cli_env(),
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "eval.patience 2 -> 4" in r.stderr, r.stderr[-3000:]
+    sel = json.loads((out / "eval_results.json").read_text())["selection"]
+    assert [h["step"] for h in sel["history"]] == [3, 6, 9, 10, 12] and sel["steps_run"] == 12  # 10: epoch end
+    assert sel["best_step"] == 3 and "early stopping: 4 evaluations" in sel["stop_reason"]
 
 
 def test_a_stopped_finetune_says_which_evaluations_ran() -> None:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import cli_env
-from helpers import TINY, write_rte_like
+from helpers import TINY, finetune_argv, save_tiny_model, write_rte_like
 
 from bertrain.cli import main
 from bertrain.train import checkpoint as ckpt
@@ -91,6 +91,31 @@ def test_a_new_run_never_overwrites_a_finished_one(finished, tmp_path, capsys):
     assert json.loads((out / "run.json").read_text())["run_id"] != run_id
     assert main(["pretrain", "--config", str(cfg), "--resume", "auto", "--overwrite"]) == 2
     capsys.readouterr()
+
+
+def test_inputs_are_checked_before_overwrite_moves_a_finished_run_aside(finished, tmp_path, capsys):
+    """A mistyped input with --overwrite moved the finished run aside and then failed, leaving a folder with only
+    run.json (which --resume auto then started afresh); an output_dir that was data.prepared wrote checkpoints into
+    the token store. Now each is one line naming the key, and the finished run is untouched."""
+    cfg, out = finished
+    before = snapshot(out)
+    cases = [(["--model.init", str(tmp_path / "phase1" / "final")], "config key 'model.init': "),
+             (["--optim.init_state", str(tmp_path / "no-such-run")], "config key 'optim.init_state': "),
+             (["--data.synthetic_samples", "0", "--data.prepared", str(tmp_path / "typo")],
+              "config key 'data.prepared': "),
+             (["--model.init", str(out / "final")], "is inside the output folder"),  # --overwrite would move it
+             (["--data.synthetic_samples", "0", "--data.prepared", str(out)], "is the output folder of this run")]
+    for extra, says in cases:
+        assert main(["pretrain", "--config", str(cfg), "--overwrite", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert says in err[-1] and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name], (extra, err)
+        assert snapshot(out) == before
+    model = save_tiny_model(tmp_path / "model")
+    for argv, says in ((finetune_argv("glue", tmp_path / "RTE-typo", model, out, 2), "config key 'data.data_dir' (--data-dir): "),
+                       (finetune_argv("glue", tmp_path, tmp_path / "no-model", out, 2), "config key 'init' (--init): ")):
+        assert main([*argv, "--overwrite"]) == 2
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+        assert snapshot(out) == before and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
 
 
 def test_a_run_refused_before_any_work_does_not_block_the_corrected_command(tmp_path, capsys):

@@ -203,6 +203,10 @@ def load_model(kind: str, path: str | Path, num_labels: int = 2) -> nn.Module:
     return BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
 
 
+FLAGS = {"init": "--init", "data.data_dir": "--data-dir", "data.train_file": "--train", "data.dev_file": "--dev"}
+"""The command-line flags of the config keys that name a fine-tuning run's inputs (named in their errors)."""
+
+
 def check_length_fits_model(init: str, max_seq_length: int) -> None:
     """Refuse a `data.max_seq_length` beyond the positions of the model to fine-tune, before any work. Otherwise
     the run builds every feature (minutes on SQuAD), fails at the first batch holding a window that long, and
@@ -409,7 +413,9 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     v2 = d.version_2_with_negative
     check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
-            run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite):
+            run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite,
+                       {"init": cfg.init, "data.train_file": d.train_file if cfg.do_train else "",
+                        "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS):
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init),
                                   "data.train_file": d.train_file if cfg.do_train else "",
                                   "data.dev_file": d.dev_file if cfg.do_eval else ""})
@@ -539,7 +545,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     task = get_task(d.task)
     check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
-            run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite):
+            run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite,
+                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS):
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init), "data.data_dir": d.data_dir})
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)

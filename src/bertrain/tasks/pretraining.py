@@ -419,7 +419,12 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
     out = Path(cfg.output_dir)
     check_model_fits_samples(cfg)
     check_init_casing(cfg)
-    with distributed_context(cfg.distributed) as dist, run_folder(out, "pretrain", dist, resume, overwrite):
+    d, m = cfg.data, cfg.model
+    reads = {"data.prepared": d.prepared if d.source == "prepared" else "", "data.vocab_file": d.vocab_file or "",
+             "model.init": m.init or "", "model.preset": m.preset if m.preset.endswith(".json") else "",
+             "optim.init_state": (cfg.optim.init_state or "") if resume is None else ""}  # a resume has its own
+    with distributed_context(cfg.distributed) as dist, \
+            run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",)):
         same_paths_on_every_rank(input_paths(cfg))
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
         run = Trainer(cfg, dist).fit(task, resume, allow_config_change)

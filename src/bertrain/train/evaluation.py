@@ -80,13 +80,33 @@ class EvalHistory:
             self.best_step, self.best_value, self.since_best = step, value, 0
         else:
             self.since_best += 1
-        if cfg.target is not None and sign * (value - cfg.target) >= 0:
-            self.stop_reason = f"{metric} {value:.4g} reached the target eval.target = {cfg.target:g}"
-        elif cfg.patience and self.since_best >= cfg.patience:
-            self.stop_reason = (f"early stopping: {self.since_best} evaluations without an improvement of "
-                                f"{metric} by more than eval.min_delta = {cfg.min_delta:g} (eval.patience = "
-                                f"{cfg.patience}; best {self.best_value:.4g} at step {self.best_step})")
+        self.stop_reason = self._stop(value, metric, cfg) or self.stop_reason
         return improved
+
+    def _stop(self, value: float, metric: str, cfg: EvalConfig) -> str | None:
+        """Why the run stops after an evaluation that scored `value`, or None."""
+        sign = 1.0 if maximises(metric) else -1.0
+        if cfg.target is not None and sign * (value - cfg.target) >= 0:
+            return f"{metric} {value:.4g} reached the target eval.target = {cfg.target:g}"
+        if cfg.patience and self.since_best >= cfg.patience:
+            return (f"early stopping: {self.since_best} evaluations without an improvement of {metric} by more "
+                    f"than eval.min_delta = {cfg.min_delta:g} (eval.patience = {cfg.patience}; best "
+                    f"{self.best_value:.4g} at step {self.best_step})")
+        return None
+
+    def recheck_stop(self, metric: str, cfg: EvalConfig) -> None:
+        """On resume from the checkpoint of an early stop: the decision again, from the last evaluation, under
+        eval.target and eval.patience as they are now (changed with --allow-config-change, they used to be reported
+        as applied and ignored: the run stopped again at once). eval.min_delta counts from the next evaluation on;
+        a search's stop stands."""
+        if not self.stop_reason or self.stop_reason.startswith(SEARCH_STOP) or not self.records:
+            return
+        last = self.records[-1].get(metric)
+        if last is not None:
+            self.stop_reason = self._stop(float(last), metric, cfg)
+
+
+SEARCH_STOP = "stopped by the search"
 
 
 def metric_error(metric: str, known: Iterable[str]) -> str:
@@ -134,7 +154,7 @@ class Evaluator:
             self.save_best(plain, step)
         value = metrics[self.metric]
         if self.on_eval is not None and self.history.stop_reason is None and self.on_eval(step, value):
-            self.history.stop_reason = f"stopped by the search after step {step} ({self.metric} {value:.4g})"
+            self.history.stop_reason = f"{SEARCH_STOP} after step {step} ({self.metric} {value:.4g})"
         record = {"step": step, "epoch": epoch, "event": "eval", "metrics": metrics, "metric": self.metric,
                   "value": value, "improved": improved, "best_step": self.history.best_step,
                   "best_value": self.history.best_value, "eval_s": round(time.perf_counter() - t0, 3)}

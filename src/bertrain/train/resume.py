@@ -23,7 +23,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from bertrain.config import flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
@@ -95,18 +95,53 @@ def resume_on_restart(resume: str | None, overwrite: bool,
 
 
 @contextlib.contextmanager
-def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None,
-               overwrite: bool) -> Iterator[None]:
-    """Hold the output folder for this run (see the module docstring)."""
+def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None, overwrite: bool,
+               inputs: Mapping[str, str] | None = None, models: Collection[str] = (),
+               flags: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Hold the output folder for this run (see the module docstring), after checking its `inputs` (config key ->
+    path; `models`: the keys that name a model folder or Hub id; `flags`: a key's command-line flag, named in the
+    errors) with `check_inputs`."""
     with contextlib.ExitStack() as held:  # releases the lock on every way out
 
         def claim() -> str:
             held.enter_context(OutputLock(output_dir, command))
+            check_inputs(output_dir, inputs or {}, models, overwrite, flags or {})
             return claim_run_folder(output_dir, command, resume, overwrite)["run_id"]
 
         run_id = on_rank0(f"use the output folder {output_dir}", claim)
         check_shared_output(output_dir, run_id, dist)
         yield
+
+
+def check_inputs(output_dir: Path, inputs: Mapping[str, str], models: Collection[str], overwrite: bool,
+                 flags: Mapping[str, str]) -> None:
+    """What a run reads (config key -> path; empty: unused), checked before its output folder is claimed. Before,
+    a mistyped `data.prepared` or `model.init` failed only after `--overwrite` had moved the finished run aside
+    (leaving a folder with only run.json, which `--resume auto` then started afresh), and an output_dir that was
+    data.prepared wrote checkpoints into the token store. A key in `models` must be a model folder (config.json or
+    Google's bert_config.json) or a Hub id in the local cache; any other must exist."""
+    from bertrain.model.hf import find_config_file, resolve_model_dir
+
+    out = output_dir.resolve()
+    for key, value in inputs.items():
+        if not value:
+            continue
+        name = f"config key '{key}'" + (f" ({flags[key]})" if key in flags else "")
+        try:
+            path = resolve_model_dir(value) if key in models else Path(value)
+            if key in models:
+                find_config_file(path)
+            elif not path.exists():
+                raise ValueError(f"{value} does not exist")
+        except ValueError as e:
+            raise UserError(f"{name}: {e}") from None
+        where = path.resolve()
+        if where == out:
+            raise UserError(f"{name}: {value} is the output folder of this run: a run must not write into "
+                            "what it reads; choose another output_dir")
+        if overwrite and out in where.parents:
+            raise UserError(f"{name}: {value} is inside the output folder {output_dir}, which --overwrite "
+                            "would move aside before the run reads it: move it out, or choose another output_dir")
 
 
 # How long a rank waits for the run.json rank 0 has just written to appear where it runs: a shared filesystem's

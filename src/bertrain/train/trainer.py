@@ -253,6 +253,7 @@ class _Run:
         (stopped_by_signal, last logged record)."""
         state, history = self.state, self.evaluator.history
         clock, budget = self.states["clock"], self.cfg.train.max_time_s
+        history.recheck_stop(self.evaluator.metric, self.cfg.eval)  # eval.target/patience may have changed
         if history.stop_reason:  # resumed from the checkpoint the run stopped early at: nothing left to do
             log.info("the run stopped at step %d: %s", state.step, history.stop_reason)
             return False, {}
