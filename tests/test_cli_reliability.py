@@ -492,3 +492,19 @@ def test_the_console_script_and_python_m_end_alike_without_teardown_after_joinin
     with pytest.raises(Exited) as joined:
         cli.entry()
     assert joined.value.args == (3,)
+
+
+def test_evaluate_squad_with_the_files_swapped_is_one_short_line(tmp_path, capsys):
+    """The data file given as --predictions printed the whole file (36 KB for four articles) in its "one line"."""
+    context = "The quick brown fox jumps over the lazy dog. " * 200
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
+        {"context": context, "qas": [{"id": "q", "question": "?", "answers": [{"text": "fox", "answer_start": 16}]}]}]}]}))
+    assert main(["evaluate", "squad", "--data", str(data), "--predictions", str(data)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) < 400 and "is a SQuAD data file, not predictions" in err[0]
+    (tmp_path / "p.json").write_text(json.dumps({"q": {"text": context}}))
+    assert main(["evaluate", "squad", "--data", str(data), "--predictions", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) < 400 and "question id q is not a string: {'text': " in err[0]
+    assert f"({len(repr({'text': context})):,} characters)" in err[0]

@@ -456,6 +456,20 @@ def test_inspect_interrupted_or_damaged_folder_one_line(tmp_path, capsys, monkey
     assert code == 2 and "stats.json" in line and "re-run prepare" in line
 
 
+def test_inspect_verify_checks_the_heldout_shards_too(tmp_path, capsys):
+    """A flipped byte in a held-out shard passed `inspect --verify` and failed only in `pretrain`."""
+    out = tmp_path / "data"
+    prepare(prepare_config(out, heldout_fraction=0.1, heldout_min_documents=4, masking="dynamic"))
+    shard = next((out / "heldout" / "shards").glob("shard-*.bts"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert run_cli(capsys, "inspect", out)[0] == 0  # without --verify the checksums are not read
+    code, _, err = run_cli(capsys, "inspect", out, "--verify")
+    line = one_line_error(err)
+    assert code == 2 and "corrupt shard" in line and str(shard) in line
+
+
 def test_kill_9_in_the_middle_of_a_shard_then_resume_gives_the_same_bytes(tmp_path):
     """SIGKILL (no cleanup runs) while a shard is half written: no output, a partial folder with a stray temporary
     shard; the same command then resumes (the stray file and the unrecorded shard are redone) to the bytes of an

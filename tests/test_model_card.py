@@ -122,6 +122,16 @@ def test_squad_final_card_reports_the_official_metrics(squad_run: Path) -> None:
     same_outputs(squad_run / "final", "AutoModelForQuestionAnswering")
 
 
+def test_a_squad_v1_card_reports_exact_match_as_evaluate_v11_names_it() -> None:
+    """evaluate-v1.1.py's key is exact_match (v2.0's is exact): the v1.1 card had f1 alone."""
+    from bertrain.model.card import _final_evaluations, _index_entry
+
+    results = {"task": "squad", "version": "1.1", "exact_match": 71.25, "f1": 80.5, "examples": 96}
+    [e] = _final_evaluations(results, {})
+    assert e.metrics == {"exact_match": 71.25, "f1": 80.5} and e.dataset_type == "rajpurkar/squad"
+    assert [(m["type"], m["value"]) for m in _index_entry(e)["metrics"]] == [("exact_match", 71.25), ("f1", 80.5)]
+
+
 def test_pretraining_final_card_reports_the_heldout_evaluation_in_the_text(tmp_path: Path) -> None:
     from bertrain.config import from_dict
     from bertrain.tasks.pretraining import PretrainConfig, run_pretraining

@@ -268,13 +268,18 @@ def test_finetune_stops_where_the_history_says_and_ends_with_the_best(tmp_path: 
     # min_delta 2: no evaluation after the first can improve accuracy by 2, so patience 2 stops at the third
     r = subprocess.run([sys.executable, "-m", "bertrain", *finetune_argv(
         "glue", data, model, out, 40, "--eval.interval", "3", "--eval.patience", "2", "--eval.min_delta", "2",
-        "--data.predict_test", "false")], env=cli_env(), capture_output=True, text=True, timeout=600)
+        "--data.predict_test", "false", "--train.log_interval", "4")], env=cli_env(), capture_output=True,
+        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads((out / "eval_results.json").read_text())
     sel = results["selection"]
     assert [h["step"] for h in sel["history"]] == [3, 6, 9] and sel["steps_run"] == 9
     assert sel["best_step"] == 3 and "early stopping" in sel["stop_reason"]
     assert sel["metric"] == "accuracy" and sel["best_value"] == sel["history"][0]["accuracy"]
+    # the steps run, and a training record for the interval the stop ended (step 9; log_interval 4)
+    assert (results["train_steps"], results["planned_steps"]) == (9, 40) and results["final_loss"] is not None
+    train_records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in train_records] == [4, 8, 9]
     assert "final model: the best one, step 3 of 9" in r.stderr
     assert json.loads((out / BEST / BEST_JSON).read_text())["step"] == 3
     best, final = (load_file(str(out / d / "model.safetensors")) for d in (BEST, "final"))

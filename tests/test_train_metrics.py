@@ -99,3 +99,40 @@ def test_checkpoint_and_evaluation_time_are_not_counted_as_training_throughput(t
     steps = [r for r in records if "seq_per_s" in r]
     assert [r["step"] for r in steps] == [3, 6]
     assert all(r["elapsed_s"] < 500 for r in steps), [r["elapsed_s"] for r in steps]
+
+
+def test_a_plot_that_fails_while_written_leaves_the_old_one(tmp_path, monkeypatch):
+    """metrics.png was written in place by matplotlib: a kill or a full disk mid-write left a truncated PNG."""
+    from matplotlib.figure import Figure
+
+    from bertrain.train.metrics import plot_metrics
+
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "mlm_loss": 4.0, "mlm_acc": 0.1 * s,
+                                         "seq_per_s": 10.0, "data_wait": 0.1, "lr": 1e-4}) + "\n"
+                             for s in range(1, 6)))
+    png = plot_metrics(jsonl, tmp_path / "metrics.png")
+    before = png.read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    def half_then_fail(self, fname, **kw):
+        with open(fname, "wb") if isinstance(fname, (str, Path)) else _nullwriter(fname) as f:
+            f.write(before[: len(before) // 2])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", half_then_fail)
+    with pytest.raises(OSError):
+        plot_metrics(jsonl, png)
+    assert png.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl", "metrics.png"]
+
+
+class _nullwriter:
+    """A file object given to savefig (a buffer), used as a context manager that does not close it."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc):
+        return False

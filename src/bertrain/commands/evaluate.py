@@ -38,6 +38,11 @@ def _read_json_object(path: str, what: str) -> dict:
     return data
 
 
+def _shorten(text: str, limit: int = 80) -> str:
+    """A value quoted in a one-line error: a whole article (36 KB) was printed."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def run(args: argparse.Namespace) -> int:
     from bertrain.tasks.metrics import evaluate_squad, is_squad_v2
     from bertrain.tasks.squad import load_dataset_json
@@ -46,15 +51,20 @@ def run(args: argparse.Namespace) -> int:
 
     dataset = load_dataset_json(args.data)
     preds = _read_json_object(args.predictions, "predictions")
+    if "data" in preds and not isinstance(preds["data"], str):  # the arguments swapped: one line, not the file
+        raise ValueError(f"{args.predictions} is a SQuAD data file, not predictions: --predictions takes the "
+                         "{question id: answer text} file that finetune squad or predict writes (predictions.json)")
     for qid, text in preds.items():
         if not isinstance(text, str):
-            raise ValueError(f"{args.predictions}: prediction for question id {qid} is not a string: {text!r}")
+            raise ValueError(f"{args.predictions}: prediction for question id {qid} is not a string: "
+                             f"{_shorten(repr(text))}")
     na_probs = None
     if args.na_prob_file:
         na_probs = _read_json_object(args.na_prob_file, "na-prob")
         for qid, v in na_probs.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{args.na_prob_file}: value for question id {qid} is not a number: {v!r}")
+                raise ValueError(f"{args.na_prob_file}: value for question id {qid} is not a number: "
+                                 f"{_shorten(repr(v))}")
     qids = {qa["id"] for article in dataset.get("data", []) for p in article.get("paragraphs", [])
             for qa in p.get("qas", [])}
     strangers = [qid for qid in preds if qid not in qids]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bertrain.data.pretraining import PretrainingDataset
 from bertrain.data.samples import sample_from_record
-from bertrain.data.store import TokenStore
+from bertrain.data.store import TokenStore, heldout_status
 from bertrain.data.tokenizer import read_vocab
 from bertrain.utils.errors import UserError
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-length", type=int, default=None, help="dynamic: default from stats or 128")
     parser.add_argument("--max-predictions-per-seq", type=int, default=None)
     parser.add_argument("--epoch", type=int, default=0, help="dynamic: which epoch's samples")
-    parser.add_argument("--verify", action="store_true", help="check every shard's checksum")
+    parser.add_argument("--verify", action="store_true", help="check every shard's checksum (the held-out set's too)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be >= 1, got {value}")
     data_dir = Path(args.data_dir)
     store = TokenStore(data_dir, verify=args.verify)  # clear errors for incomplete/corrupt folders
+    if args.verify and (held := heldout_status(data_dir).dir) is not None:  # a damaged one failed only in pretrain
+        TokenStore(held, verify=True)
     try:
         stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

@@ -53,10 +53,11 @@ TASK_NAMES = {"question-answering": "Question Answering", "text-classification":
 GLUE = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")  # the configs of nyu-mll/glue
 GLUE_SPLITS = {"dev": "validation", "mnli-m": "validation_matched", "mnli-mm": "validation_mismatched"}
 SQUAD = {"1.1": "rajpurkar/squad", "2.0": "rajpurkar/squad_v2"}
-SQUAD_METRICS = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1")
+# evaluate-v1.1.py says exact_match, evaluate-v2.0.py exact (the v1.1 card lost its exact match)
+SQUAD_METRICS = ("exact_match", "exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1")
 # bertrain's metric names -> the Hub's metric ids (composites such as acc_and_f1 stay in the text)
 METRIC_TYPES = {"accuracy": "accuracy", "f1": "f1", "mcc": "matthews_correlation", "pearson": "pearsonr",
-                "spearmanr": "spearmanr", "exact": "exact_match"}
+                "spearmanr": "spearmanr", "exact": "exact_match", "exact_match": "exact_match"}
 # Settings shown in the card's table (the whole config.yaml follows it); a key absent from the run's config is
 # skipped, as is one left empty or 0 (derived).
 SETTINGS = ("init", "model.init", "model.preset", "data.task", "data.data_dir", "data.train_file", "data.dev_file",

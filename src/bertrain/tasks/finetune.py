@@ -41,7 +41,7 @@ from bertrain.train.distributed import DistInfo, distributed_context, on_rank0, 
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.evaluation import OnEval
-from bertrain.train.trainer import RunResult, Trainer
+from bertrain.train.trainer import NO_STEP_LIMIT, RunResult, Trainer
 from bertrain.utils.errors import RunStopped
 from bertrain.utils.io import atomic_write_json
 
@@ -300,7 +300,10 @@ class FeatureTask:
 
 def _train_results(run: RunResult) -> dict[str, Any]:
     done = run.state.step - run.start_step
-    out = {"train_steps": run.total_steps, "train_seconds": round(run.seconds, 1),
+    # the steps run (an early stop, a target or a time budget end before the plan), and the plan
+    out = {"train_steps": run.state.step,
+           "planned_steps": None if run.total_steps == NO_STEP_LIMIT else run.total_steps,
+           "train_seconds": round(run.seconds, 1),
            "train_examples_per_second": round(done * run.plan.global_batch_size / max(run.seconds, 1e-9), 2),
            "final_loss": run.last_metrics.get("loss")}
     if run.evaluation:  # the dev evaluations while training: what was selected, and on what

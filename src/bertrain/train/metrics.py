@@ -3,11 +3,14 @@ trackers (TensorBoard, MLflow, W&B: `train/trackers.py`), and a PNG plot of loss
 end. Only the main rank creates a logger with `enabled=True`."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 from pathlib import Path
 from typing import Any
+
+from bertrain.utils.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,8 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     ax.plot(steps, series("lr"))
     ax.set_title("learning rate"); ax.set_xlabel("step")
     png = Path(png)
-    fig.savefig(png, dpi=100)
+    buf = io.BytesIO()  # rendered first, then written atomically: a kill mid-write left a truncated PNG
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    atomic_write_bytes(png, buf.getvalue())
     return png

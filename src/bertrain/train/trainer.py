@@ -352,6 +352,9 @@ class _Run:
                 log.warning("%s", self.stop_reason)
                 break
             if history.stop_reason:
+                if not log_due:  # the steps since the last log line (metrics.jsonl, final_loss, the model card)
+                    last = meter.flush(state, self.optimizer, self.precision, dist)
+                    metrics_log.log(last)
                 of = "" if self.total_steps == NO_STEP_LIMIT else f" of {self.total_steps}"
                 log.warning("stopping at step %d%s: %s", state.step, of, history.stop_reason)
                 break
