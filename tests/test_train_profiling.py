@@ -88,3 +88,32 @@ def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_keeps_its_che
 def _losses_of_plain(tmp_path: Path, train_steps: int) -> list[float]:
     run_pretraining(_resumable(tmp_path / "plain", train_steps))
     return _losses(tmp_path / "plain")
+
+
+def test_what_runs_between_two_steps_of_the_window_is_not_in_the_profile(tmp_path: Path, monkeypatch) -> None:
+    """An evaluation or a checkpoint inside the window was in the trace and the top-ops table named after the
+    steps (an evaluation's forward passes were 3/4 of its log_softmax calls)."""
+    import torch
+
+    from bertrain.train import trainer
+
+    real = trainer._Run.save
+
+    def save_with_a_marker(self, *a, **kw):
+        torch.special.i0(torch.ones(3))  # an operator no training step runs
+        return real(self, *a, **kw)
+    monkeypatch.setattr(trainer._Run, "save", save_with_a_marker)
+    cfg = _config(tmp_path / "run", 5, enabled=True, start_step=1, steps=3)
+    cfg.checkpoint.save_interval = 2  # a checkpoint after step 2, inside the window of steps 2-4
+    run_pretraining(cfg)
+    out = tmp_path / "run" / "profile"
+    names = {e.get("name") for e in json.loads((out / "rank0.steps2-4.pt.trace.json").read_text())["traceEvents"]}
+    assert "aten::addmm" in names and not [n for n in names if n and "i0" in n]
+    assert "i0" not in (out / "rank0.steps2-4.top-ops.txt").read_text()
+
+
+def test_a_window_the_run_never_reaches_is_a_warning(tmp_path: Path, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        run_pretraining(_config(tmp_path / "run", 3, enabled=True, start_step=10, steps=2))
+    assert "profile.start_step = 10 was never passed: the run ended at step 3" in caplog.text
+    assert not (tmp_path / "run" / "profile").exists()

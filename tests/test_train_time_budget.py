@@ -91,3 +91,18 @@ def test_on_time_schedule_reaches_its_end_at_the_budget(tmp_path: Path, caplog) 
     assert result.state.step > 1 and lrs[-1] < 0.01 * max(lrs)
     last = ckpt.load_train_state(out / f"step-{result.state.step}")
     assert last["optimizer"]["param_groups"][0]["lr"] == 0.0
+
+
+def test_a_finetune_ended_by_the_budget_says_so_in_its_results(tmp_path: Path) -> None:
+    """eval_results.json said the planned steps (train_steps 690, stop_reason null) after 45 steps of a budget."""
+    from bertrain.cli import main
+    from helpers import finetune_argv, finetune_data, save_tiny_model
+
+    out = tmp_path / "run"
+    argv = finetune_argv("glue", finetune_data("glue", tmp_path / "data"), save_tiny_model(tmp_path / "model"), out,
+                         100_000, "--train.max_time", "2s", "--data.predict_test", "false", "--eval.enabled", "false")
+    assert main(argv) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    steps = results["train_steps"]
+    assert 0 < steps < 100_000 and results["planned_steps"] == 100_000
+    assert results["stop_reason"] == f"stopped at the time budget (train.max_time = 2s) after {steps} steps"

@@ -303,6 +303,7 @@ def _train_results(run: RunResult) -> dict[str, Any]:
     # the steps run (an early stop, a target or a time budget end before the plan), and the plan
     out = {"train_steps": run.state.step,
            "planned_steps": None if run.total_steps == NO_STEP_LIMIT else run.total_steps,
+           "stop_reason": run.ended_early,
            "train_seconds": round(run.seconds, 1),
            "train_examples_per_second": round(done * run.plan.global_batch_size / max(run.seconds, 1e-9), 2),
            "final_loss": run.last_metrics.get("loss")}

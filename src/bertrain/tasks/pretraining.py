@@ -431,7 +431,8 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
         result = PretrainResult(run, out)
         if not run.stopped_by_signal:
             result.final_dir = on_rank0("export the final model", lambda: _finish(cfg, run.model), long=True)
-            results = {"steps": run.state.step, "train": run.last_metrics, "evaluation": run.evaluation}
+            results = {"steps": run.state.step, "stop_reason": run.ended_early, "train": run.last_metrics,
+                       "evaluation": run.evaluation}
             run.finish(results, result.final_dir, out / "metrics.png")
         return result
 

@@ -13,10 +13,11 @@ failure (disk full, say) is one warning, and the run goes on to its checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -40,9 +41,12 @@ class StepProfiler:
         self.first = cfg.start_step  # the step count at which the window opens
         self.last = cfg.start_step + cfg.steps
         self.begun: int | None = None  # the step count of this process's first step
+        self.seen = 0  # the step count before the latest step
         self.done = 0  # steps completed inside the window
+        self.activities: list[Any] = []
 
     def step_begin(self, step: int) -> None:
+        self.seen = step
         if self.begun is None:
             self.begun = step
             if self.active and step > self.first:  # resumed past the window's start
@@ -65,6 +69,7 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if self.cfg.memory:  # every allocation from here on, with its stack, for the snapshot
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.activities = activities
         self.prof = torch.profiler.profile(activities=activities, record_shapes=self.cfg.record_shapes,
                                            profile_memory=True, with_stack=self.cfg.with_stack)
         self.prof.__enter__()
@@ -78,9 +83,28 @@ class StepProfiler:
         if step >= self.last:
             self.finish()
 
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        """Around what runs between two steps inside the window (an evaluation, a checkpoint): not collected, so
+        the trace and the top-ops table are the steps' (an evaluation's forward passes were 3/4 of a window's
+        log_softmax calls)."""
+        if self.prof is None:
+            yield
+            return
+        self.prof.toggle_collection_dynamic(False, self.activities)
+        try:
+            yield
+        finally:
+            if self.prof is not None:
+                self.prof.toggle_collection_dynamic(True, self.activities)
+
     def finish(self) -> None:
         """Stop and write the files (also when the run ends inside the window); a failure is a warning."""
         if self.prof is None:
+            if self.active and self.begun is not None and self.seen + 1 <= self.first:  # the run ended before it
+                log.warning("profile.start_step = %d was never passed: the run ended at step %d, so nothing was "
+                            "profiled (lower profile.start_step)", self.first, self.seen + 1)
+                self.active = False
             return
         prof, self.prof, self.active = self.prof, None, False
         window = f"steps{self.first + 1}-{self.first + max(self.done, 1)}"  # the steps profiled

@@ -132,6 +132,11 @@ class RunResult:
     """The run's trackers, still open after a finished run: the caller logs its results and artifacts and calls
     `finish` (closed already after a stop by signal or an error)."""
 
+    @property
+    def ended_early(self) -> str | None:
+        """Why the run ended before its step count: the time budget, an early stop, a target, a search; or None."""
+        return self.stop_reason or self.evaluation.get("stop_reason")
+
     def finish(self, results: dict[str, Any] | None = None, *artifacts: Path | None) -> None:
         """Hand the final results and the output folders/files to the trackers and close them (rank 0 logs;
         elsewhere a no-op)."""
@@ -336,12 +341,13 @@ class _Run:
                 bar.close()
                 return True, last
             paused = time.perf_counter()
-            if eval_due:  # before the save: the checkpoint holds it
-                metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
-            if save_due:
-                self.save()
-                if self.dist.is_main and not warned_room:
-                    warned_room = self.warn_if_short_of_room()
+            with profiler.outside_steps():
+                if eval_due:  # before the save: the checkpoint holds it
+                    metrics_log.log(self.evaluator.evaluate(self.model, state.step, state.epoch))
+                if save_due:
+                    self.save()
+                    if self.dist.is_main and not warned_room:
+                        warned_room = self.warn_if_short_of_room()
             # the throughput of the log interval counts training, not the evaluation and the checkpoint in it (they
             # landed in the next interval's seq/s, tokens/s and data wait; the evaluation has its own eval_s)
             meter.t0 += time.perf_counter() - paused
