@@ -3,6 +3,7 @@ model folder with every head."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from bertrain.utils.errors import UserError, writing
@@ -37,16 +38,18 @@ def _occupied(out: Path) -> bool:
     return out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir())))
 
 
-def write_model_folder(model, out: Path, command: str) -> Path | None:
+def write_model_folder(model, out: Path, command: str,
+                       move: Callable[[Path], Path] | None = None) -> Path | None:
     """`model.save_pretrained` into `out`, atomically; an occupied `out` (allowed by --overwrite) is moved aside
-    once the new folder is complete. Returns where the old one went. Hold `OutputLock(out)` around it."""
+    (`move`, default `rundir.move_aside`) once the new folder is complete. Returns where the old one went. Hold
+    `OutputLock(out)` around it."""
     from bertrain.utils.rundir import move_aside
 
     moved: list[Path] = []
 
     def aside(path: Path) -> None:
         if _occupied(path):
-            moved.append(move_aside(path))
+            moved.append((move or move_aside)(path))
         else:  # an empty folder: nothing to keep
             path.rmdir()
 

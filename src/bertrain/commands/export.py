@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from bertrain.commands.convert import add_overwrite_argument, check_out_dir, write_model_folder
+from bertrain.commands.convert import _occupied, add_overwrite_argument, check_out_dir, write_model_folder
 from bertrain.utils.errors import UserError
 
 TASK_FILE = "task.json"  # bertrain.deploy.predict.TASK_FILE: what predict and serve read beside a fine-tuned model
@@ -33,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf: the model card's language (ISO 639-1, e.g. en); repeat for several")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: 18)")
     parser.add_argument("--triton", action="store_true",
-                        help="onnx: write a Triton model repository: OUT_DIR/NAME/config.pbtxt, "
-                             "OUT_DIR/NAME/1/model.onnx")
+                        help="onnx: write a model of the Triton model repository OUT_DIR: OUT_DIR/NAME/config.pbtxt, "
+                             "OUT_DIR/NAME/1/model.onnx (its other models are kept; --overwrite replaces only "
+                             "OUT_DIR/NAME, moved out to OUT_DIR.NAME.replaced-<time>)")
     parser.add_argument("--name", default=None, help="--triton: the model's name in the repository "
                                                     "(default: bert_qa, bert_classification or bert_encoder)")
     add_overwrite_argument(parser)
@@ -83,13 +86,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--opset {args.opset}: torch.onnx.export (the torch.export-based exporter) writes opset 18 "
                         "or newer")
     out = Path(args.out_dir)
+    if args.format == "onnx":
+        return _export_onnx(args.checkpoint_dir, out, args)
     with OutputLock(out, "export"):
         check_out_dir(out, args.overwrite)
         src = resolve_checkpoint(resolve_model_dir(args.checkpoint_dir))
         model = load_model(src)
         cls = type(model)
-        if args.format == "onnx":
-            return _export_onnx(model, src, out, args)
         card = model_card(model, src, out, license, language, source=args.checkpoint_dir)
         task = task_file_of(src, model)
         write_model_folder(WithCard(model, card, {TASK_FILE: task} if task else {}), out, "export")
@@ -99,62 +102,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def task_file_of(src: Path, model) -> bytes | None:
-    """task.json for the exported folder: the label names and feature settings `bertrain predict` and `serve` read.
-    Without it they fall back to 384/128-token windows and drop a SQuAD v2.0 model's null answer, so the exported
-    model answered otherwise than its run evaluated it. The source's own (a fine-tuned final/); for a step-N or
-    best/ folder of a fine-tuning run, its run's final/task.json, else the one the run's config.yaml implies (what
-    `bertrain finetune` writes into final/); None outside a fine-tuning run. A QA task.json gets the answer
-    decoding its run evaluated with (data.n_best_size, max_answer_length, null_score_diff_threshold), which
-    `bertrain finetune` does not write into it."""
-    import json
+    """task.json for the exported folder: the label names and feature settings `bertrain predict` and `serve` read
+    (without it an exported SQuAD model answered otherwise than its run evaluated it). The rule is
+    `bertrain.deploy.predict.run_task_file`'s, the one `Predictor` follows for a folder without its own: the
+    source's, or for a step-N folder its run's; None outside a fine-tuning run."""
+    from bertrain.deploy.predict import run_task_file
 
-    import yaml
-
-    run = src.parent
-    data: dict = {}
-    if (run / "config.yaml").is_file():
-        try:
-            data = (yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("data") or {}
-        except (OSError, yaml.YAMLError, AttributeError):
-            data = {}
-    data = data if isinstance(data, dict) else {}
-    # SQuAD's answer decoding as the run evaluated (task.json of older runs does not say it)
-    decoding = {k: data[k] for k in ("n_best_size", "max_answer_length", "null_score_diff_threshold") if k in data}
-    own = src / TASK_FILE
-    if not own.is_file() and (run / "config.yaml").is_file() and (run / "final" / TASK_FILE).is_file():
-        try:  # the same run's final model: the same task, if it is the same kind of model
-            same = json.loads((run / "final" / "config.json").read_text(encoding="utf-8")).get("architectures")
-        except (OSError, ValueError, AttributeError):
-            same = None
-        if same == [type(model).__name__]:
-            own = run / "final" / TASK_FILE
-    if own.is_file():
-        text = own.read_bytes()
-        try:
-            task = json.loads(text)
-        except ValueError:
-            return text  # as it is: predict names what is wrong with it
-        if not isinstance(task, dict) or task.get("kind") != "qa" or all(k in task for k in decoding):
-            return text
-        return (json.dumps({**task, **{k: v for k, v in decoding.items() if k not in task}}, indent=2)
-                + "\n").encode()
-    if not data or model is None:
-        return None
-    task = None
-    if type(model).__name__ == "BertForQuestionAnswering" and data.get("train_file"):
-        task = {"kind": "qa", "task": "squad", "version_2_with_negative": bool(data.get("version_2_with_negative")),
-                **{k: data[k] for k in ("max_seq_length", "doc_stride", "max_query_length") if k in data},
-                **decoding}
-    elif type(model).__name__ == "BertForSequenceClassification" and data.get("task"):
-        from bertrain.tasks.glue import TASKS
-
-        glue = TASKS.get(data["task"])
-        if glue is None:
-            return None
-        task = {"kind": "regression" if glue.is_regression else "classification", "task": glue.name,
-                "labels": list(glue.labels) if glue.labels else None,
-                **({"max_seq_length": data["max_seq_length"]} if "max_seq_length" in data else {})}
-    return None if task is None else (json.dumps(task, indent=2) + "\n").encode()
+    found = run_task_file(src, type(model).__name__)
+    return found[0] if found else None
 
 
 def model_card(model, src: Path, out: Path, license: str | None, language: list[str], source: str) -> str:
@@ -189,9 +144,53 @@ class WithCard:
         write_card(path, self.card)
 
 
-def _export_onnx(model, src: Path, out: Path, args: argparse.Namespace) -> int:
+def _export_onnx(source: str, out: Path, args: argparse.Namespace) -> int:
     from bertrain.deploy.backends import task_of
     from bertrain.deploy.onnx_export import OPSET, OnnxFolder
+    from bertrain.model.hf import resolve_model_dir
+    from bertrain.utils.rundir import OutputLock
+
+    name = _checked_name(args.name) if args.triton else None
+    src = resolve_checkpoint(resolve_model_dir(source))
+    model = None
+    if args.triton and name is None:  # the default name is the model's task: known once it is loaded
+        model = load_model(src)
+        name = f"bert_{task_of(model)}"
+    # A Triton repository holds several models: only OUT/NAME is this export's to lock, check and replace
+    target = out / name if name else out
+    with (_model_lock(target) if name else OutputLock(out, "export")):
+        if not name:
+            check_out_dir(out, args.overwrite)
+        elif _occupied(target) and not args.overwrite:
+            raise UserError(f"{out} already holds a model {name} ({target}): pass --overwrite to replace it (the "
+                            f"old one is moved beside the repository, not deleted), or choose another --name")
+        model = model if model is not None else load_model(src)
+        task = _deployable(model, src)
+        folder = OnnxFolder(model, src, opset=args.opset or OPSET, triton_name=name,
+                            task_file=task_file_of(src, model))
+        if name:
+            _write_triton_model(folder, target)
+        else:
+            write_model_folder(folder, out, "export")
+    where = target / "1" if name else out
+    print(f"exported {src} -> {where / 'model.onnx'} ({type(model).__name__}, task {task}, ONNX opset {folder.opset}, "
+          f"dynamic axes batch x sequence)" + (f"; Triton model repository {out} (model {name})" if name else ""))
+    print(f"verified against PyTorch on real text: max abs difference of the outputs {folder.max_abs_diff:.2e} "
+          f"(limit {folder.tolerance:g}, fp32)")
+    return 0
+
+
+def _checked_name(name: str | None) -> str | None:
+    """--name: one folder of the repository (not '.', '..' or a hidden one: the export would lock and replace the
+    repository itself, its parent, or a folder Triton may not list)."""
+    if name is not None and (not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith(".")):
+        raise UserError(f"--name {name!r}: use letters, digits, '_', '-' or '.', not first (it is a folder name)")
+    return name
+
+
+def _deployable(model, src: Path) -> str:
+    """The model's task ("qa", "classification", "encoder"); a head without trained weights is refused."""
+    from bertrain.deploy.backends import task_of
 
     task = task_of(model)
     untrained = model.loading_info.get("initialized") or []
@@ -204,14 +203,50 @@ def _export_onnx(model, src: Path, out: Path, args: argparse.Namespace) -> int:
     if untrained:  # an exported random head would serve noise
         raise UserError(f"{src} has no trained weights for the {', '.join(untrained)} of its "
                         f"{type(model).__name__}: export a fine-tuned model (bertrain finetune writes OUTPUT/final)")
-    name = (args.name or f"bert_{task}") if args.triton else None
-    if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise UserError(f"--name {name!r}: use letters, digits, '_', '-' or '.' (it is a folder name)")
-    folder = OnnxFolder(model, src, opset=args.opset or OPSET, triton_name=name, task_file=task_file_of(src, model))
-    write_model_folder(folder, out, "export")
-    where = out / name / "1" if name else out
-    print(f"exported {src} -> {where / 'model.onnx'} ({type(model).__name__}, task {task}, ONNX opset {folder.opset}, "
-          f"dynamic axes batch x sequence)" + (f"; Triton model repository {out} (model {name})" if name else ""))
-    print(f"verified against PyTorch on real text: max abs difference of the outputs {folder.max_abs_diff:.2e} "
-          f"(limit {folder.tolerance:g}, fp32)")
-    return 0
+    return task
+
+
+@contextmanager
+def _model_lock(target: Path) -> Iterator[None]:
+    """`OutputLock` of the model folder REPOSITORY/NAME, its lock file beside the repository
+    (.REPOSITORY.NAME.lock): inside, it would be one more entry among the models."""
+    from bertrain.utils.rundir import OutputLock
+
+    folder = target.absolute()
+    stand_in = folder.parent.parent / f"{folder.parent.name}.{folder.name}"
+    lock = OutputLock(stand_in, "export")
+    try:
+        lock.__enter__()
+    except UserError as e:  # "output folder X is in use by ...": named as the user gave it
+        raise UserError(str(e).replace(str(stand_in), str(target))) from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _write_triton_model(folder, target: Path) -> None:
+    """`write_model_folder` for the model folder REPOSITORY/NAME: built atomically beside its siblings; an old one
+    (--overwrite) is moved out of the repository, beside it (REPOSITORY.NAME.replaced-<time>), once the new one is
+    complete. Moved aside inside, Triton would take it for one more model, whose folder is not named as its
+    config.pbtxt says, and refuse to load it (at start: refuse to start)."""
+    write_model_folder(folder, target, "export", move=_move_out_of_repository)
+
+
+def _move_out_of_repository(path: Path) -> Path:
+    """Rename the model folder REPOSITORY/NAME to a free REPOSITORY.NAME.replaced-<time> beside the repository."""
+    import datetime
+    import os
+
+    from bertrain.utils.errors import writing
+
+    repository = path.absolute().parent
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = repository.parent / f"{repository.name}.{path.name}.replaced-{stamp}"
+    target, n = base, 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = base.with_name(f"{base.name}-{n}")
+    with writing(f"moving the previous model {path} aside to {target}", kept=f"{path} is unchanged"):
+        os.replace(path, target)
+    return target

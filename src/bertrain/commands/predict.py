@@ -1,7 +1,8 @@
 """`bertrain predict`: batched QA or classification predictions from a file, stdin or the command line.
 
 Output is JSON lines (one object per input, in input order) on stdout or --output; throughput goes to stderr. A
-SQuAD-format file (`--format squad`, the default for a .json input to a QA model; answers optional) gives the official
+SQuAD split (`--format squad`, the default for a QA model's .json, .parquet, .arrow or folder input: the SQuAD JSON
+or the Hub's layouts; answers optional) gives the official
 predictions.json instead ({question id: answer}, what evaluate-v1.1/v2.0.py and the SQuAD leaderboard read), and for
 a v2.0 model its null odds (evaluate-v2.0.py's --na-prob-file) beside it.
 An input without an "id" is numbered by its position among the inputs, from 0. `--output` is written atomically
@@ -24,9 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", default=None,
                         help="JSONL or TSV file, '-' for stdin (QA: {question, context} / question<TAB>context; "
                              "classification: {text[, text_pair]} / text[<TAB>text_pair]); an item without an "
-                             "\"id\" is numbered by its position, from 0; QA: or a SQuAD .json file (--format squad)")
+                             "\"id\" is numbered by its position, from 0; QA: or a SQuAD split (--format "
+                             "squad): a .json file, the Hub's Parquet, a `datasets` .arrow file or folder")
     parser.add_argument("--format", choices=["jsonl", "tsv", "squad"], default=None,
-                        help="input format (default: from the file suffix, .json a SQuAD file; jsonl for stdin); "
+                        help="input format (default: from the file suffix: .tsv/.txt tsv; for a QA model .json, "
+                             ".parquet, .arrow or a folder squad; else, and for stdin, jsonl); "
                              "squad: a SQuAD v1.1/v2.0 file (answers optional) -> the official predictions.json "
                              "{question id: answer} (v2.0 models: and OUTPUT's .null_odds.json, evaluate-v2.0.py's "
                              "--na-prob-file)")
@@ -72,22 +75,21 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {"null_score_diff_threshold": args.null_score_diff_threshold, "max_answer_length": args.max_answer_length,
               "n_best_size": args.n_best_size} if p.task == "qa" else {}
 
-    if args.question is not None or args.context is not None or args.text is not None:
+    flags = {"--question": args.question, "--context": args.context, "--text": args.text,
+             "--text-pair": args.text_pair}
+    # any of them (--text-pair alone too: it was ignored, and stdin read instead, waiting on a terminal)
+    if any(value is not None for value in flags.values()):
         if args.input is not None:
             raise ValueError("give either --input or --question/--context/--text, not both")
-        for flag, value in (("--question", args.question), ("--context", args.context), ("--text", args.text),
-                            ("--text-pair", args.text_pair)):
-            bad = next((i for i, ch in enumerate(value or "") if "\udc80" <= ch <= "\udcff"), None)
-            if bad is not None:  # a byte that is not UTF-8 (Python keeps it as a lone surrogate): no text
-                raise ValueError(f"{flag}: not UTF-8 text (byte 0x{ord(value[bad]) - 0xdc00:02x} at character "
-                                 f"{bad + 1}): give it as UTF-8 (e.g. convert with iconv -f latin1 -t utf-8)")
+        _check_flags(flags)
         if p.task == "qa":
             if args.question is None or args.context is None:
                 raise ValueError("a QA model needs both --question and --context")
             items_iter = iter([{"id": "0", "question": args.question, "context": args.context}])
         else:
             if args.text is None:
-                raise ValueError("a classification model needs --text")
+                raise ValueError("--text-pair is the second text of --text: give --text too" if args.text_pair
+                                 is not None else "a classification model needs --text")
             item = {"id": "0", "text": args.text}
             if args.text_pair is not None:
                 item["text_pair"] = args.text_pair
@@ -98,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
         name = "the command line"
     else:
         src = args.input or "-"
-        fmt = args.format or ("tsv" if src.endswith((".tsv", ".txt")) else
-                              "squad" if src.endswith(".json") and p.task == "qa" else "jsonl")
+        fmt = args.format or _guess_format(src, p.task)
         if fmt == "squad":
             return _predict_squad(p, src, args, kwargs)
         # errors="surrogateescape": a byte that is not UTF-8 reaches read_items, which names its line and column
@@ -161,9 +162,14 @@ def _predict_squad(p, src: str, args: argparse.Namespace, kwargs: dict) -> int:
 
     if p.task != "qa":
         raise ValueError(f"--format squad: {args.model} is a {p.task} model; a SQuAD file needs a QA model")
-    if src == "-" or not Path(src).is_file():
+    if src == "-" or not Path(src).exists():
         raise ValueError(f"--format squad: input file {src} does not exist (a SQuAD file is read whole: not stdin)")
-    items = read_squad_items(src)
+    try:
+        items = read_squad_items(src)
+    except ValueError as e:
+        if not _json_lines(src, str(e)):
+            raise
+        raise ValueError(f"{e} (JSON lines, one item per line? pass --format jsonl)") from None
     if not items:
         raise ValueError(f"{src} holds no questions: nothing to predict")
     preds: dict[str, str] = {}
@@ -192,3 +198,41 @@ def _predict_squad(p, src: str, args: argparse.Namespace, kwargs: dict) -> int:
     print(f"bertrain predict: {tp.examples} questions in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
           f"batch size {args.batch_size}, {args.backend} {args.dtype})", file=sys.stderr)
     return 0
+
+
+SQUAD_SUFFIXES = (".json", ".parquet", ".arrow")
+"""A QA model's input of these suffixes (or a folder) is a SQuAD split, in any layout `read_squad_items` reads: the
+SQuAD JSON, the Hub's Parquet (rajpurkar/squad), a `datasets` Arrow file or folder. Guessed as JSON lines, a
+Parquet file was refused as "not UTF-8 text"."""
+
+
+def _guess_format(src: str, task: str) -> str:
+    """--format's default for the input `src` ('-': stdin) of a `task` model."""
+    from pathlib import Path
+
+    if src.endswith((".tsv", ".txt")):
+        return "tsv"
+    squad = src.lower().endswith(SQUAD_SUFFIXES) or (src != "-" and Path(src).is_dir())
+    return "squad" if squad and task == "qa" else "jsonl"
+
+
+def _json_lines(src: str, error: str) -> bool:
+    """Whether `error`, from reading `src` as a SQuAD JSON file, says it is JSON lines instead: several values
+    ("Extra data" after the first line), or one object that is not a SQuAD file (a single QA item)."""
+    if not src.lower().endswith(".json"):
+        return False
+    return ("malformed JSON" in error and "Extra data" in error) or "not a SQuAD file" in error
+
+
+def _check_flags(flags: dict[str, str | None]) -> None:
+    """The command line's texts: UTF-8 and not blank, each error naming its flag (an empty --text was
+    "item 0: empty or missing 'text'", naming neither the flag nor the command line)."""
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        bad = next((i for i, ch in enumerate(value) if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:  # a byte that is not UTF-8 (Python keeps it as a lone surrogate): no text
+            raise ValueError(f"{flag}: not UTF-8 text (byte 0x{ord(value[bad]) - 0xdc00:02x} at character "
+                             f"{bad + 1}): give it as UTF-8 (e.g. convert with iconv -f latin1 -t utf-8)")
+        if not value.strip():
+            raise ValueError(f"{flag} is empty: give the text itself")

@@ -4,7 +4,9 @@
                     (dynamic batch and sequence axes), verified against PyTorch on real tokenised text, written
                     beside its tokenizer files and `onnx.json`; optionally as a Triton model repository.
 * `predict.py`      `Predictor` (`bertrain predict`, `bertrain serve`): tokenisation, batching and post-processing
-                    around a backend, one code path for every backend; `read_items` reads input files.
+                    around a backend, one code path for every backend; `read_items` reads input files;
+                    `run_task_file`: THE rule for a model folder's task.json (a step-N folder: its run's), which
+                    `bertrain export` writes and `Predictor` reads.
 * `backends.py`     the one small interface `Predictor` runs (`TorchBackend`, `OnnxRuntimeBackend`): numpy
                     features in, named numpy outputs back.
 * `server.py`       `bertrain serve`: FastAPI + uvicorn, `POST /predict`, `GET /health`, micro-batching of

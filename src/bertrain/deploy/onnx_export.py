@@ -200,7 +200,9 @@ def triton_config(name: str, model: nn.Module, max_batch_size: int = 64) -> str:
 class OnnxFolder:
     """The ONNX export of `model` as something with `save_pretrained(path)`, so `commands.convert.write_model_folder`
     writes it with the same lock, atomic build and move-aside of an old folder as every other model folder.
-    Export and verification run inside the temporary folder: a failed check leaves nothing behind."""
+    Export and verification run inside the temporary folder: a failed check leaves nothing behind. With
+    `triton_name`, `path` is the model's folder in a Triton repository (REPOSITORY/NAME: config.pbtxt and 1/), the
+    one the export owns: the repository's other models are not this export's to lock or replace."""
 
     def __init__(self, model: nn.Module, source: Path, opset: int = OPSET, triton_name: str | None = None,
                  tolerance: float = TOLERANCE, task_file: bytes | None = None) -> None:
@@ -212,7 +214,7 @@ class OnnxFolder:
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         root = Path(path)
-        folder = root / self.triton_name / "1" if self.triton_name else root
+        folder = root / "1" if self.triton_name else root
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in self.model.tokenizer_files.items():
             if name == "tokenizer_config.json":  # as the HF export: tokenizers truncate to the graph's positions
@@ -258,4 +260,4 @@ class OnnxFolder:
                             f"outputs on real inputs {self.max_abs_diff:.3g} > {self.tolerance:g} (fp32); nothing "
                             "was written (please report it with the model's config.json)")
         if self.triton_name:
-            atomic_write_text(root / self.triton_name / "config.pbtxt", triton_config(self.triton_name, self.model))
+            atomic_write_text(root / "config.pbtxt", triton_config(self.triton_name, self.model))

@@ -6,8 +6,10 @@
 
 The model folder is what `bertrain finetune` exports (`OUTPUT/final`, HF format) or any HF folder with a QA or
 classification head. `task.json`, written beside the weights by the fine-tuning run, supplies the label names and
-the feature settings; without it, the head in config.json decides the task, and the labels are config.json's
-id2label names (a model fine-tuned with transformers) or, where it has only LABEL_0, LABEL_1, ..., the indices.
+the feature settings (a run's step-N checkpoint has none: its run's, `run_task_file`, as `bertrain export` writes
+them); without it, the head in config.json decides the task (a warning says the settings are the defaults), and the
+labels are config.json's id2label names (a model fine-tuned with transformers) or, where it has only LABEL_0,
+LABEL_1, ..., the indices.
 
 The forward pass is a backend (`bertrain.deploy.backends`): PyTorch on the model folder, or ONNX Runtime on the folder
 `bertrain export --format onnx` writes (`Predictor(onnx_dir, backend="onnxruntime")`). Tokenisation, batching and
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 
 from bertrain.deploy.backends import INPUT_NAMES, TASK_OUTPUTS, open_backend, parse_device
-from bertrain.model.bert import BertForQuestionAnswering, BertForSequenceClassification
+from bertrain.model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+                                 BertModel)
 from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.glue import TASKS as GLUE_TASKS
@@ -68,16 +71,17 @@ class Predictor:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
-        meta = read_task_file(self.model_dir / TASK_FILE) if (self.model_dir / TASK_FILE).is_file() else {}
         cls = model_class_for(self.model_dir)
+        meta, self.task_source = task_settings(self.model_dir, cls.__name__)
+        """`task_source`: the task.json (or a step-N's run's config.yaml) the settings came from; None: defaults."""
         if task is None:
             task = meta.get("kind") or ("qa" if cls is BertForQuestionAnswering
                                         else "classification" if cls is BertForSequenceClassification else None)
         if task == "regression":  # a one-output classification head (STS-B): predict_classification scores it
             task = "classification"
         if task not in ("qa", "classification"):
-            raise ValueError(f"{self.model_dir}: cannot tell the task from config.json ({cls.__name__}); "
-                             "pass task='qa' or 'classification'")
+            raise ValueError(_no_task(self.model_dir, cls.__name__, task))
+        _say_settings(self.model_dir, self.task_source, task)
         self.task = task
         self.meta = meta
         self.device = parse_device(device)
@@ -86,7 +90,7 @@ class Predictor:
         self.backend = open_backend(backend, self.model_dir, task, self.device, dtype)
         self.tok = load_task_tokenizer(self.model_dir)
         self.batch_size = batch_size
-        self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task)
+        self.max_seq_length = _checked_length(self.model_dir, max_seq_length, meta, task, self.task_source)
         self.labels: list[str] | None = meta.get("labels") or _named_labels(self.model_dir)
         self.version_2_with_negative = bool(meta.get("version_2_with_negative", False))
         self.pair: bool | None = _pair_task(meta.get("task")) if task == "classification" else None
@@ -233,12 +237,13 @@ class Predictor:
         self.throughput.seconds += seconds
 
 
-def read_task_file(path: Path) -> dict[str, Any]:
+def read_task_file(path: Path, text: bytes | None = None) -> dict[str, Any]:
     """task.json, checked: a damaged one was a bare JSON message or an int() error naming neither the file nor the
-    key, and one that is not an object a traceback."""
+    key, and one that is not an object a traceback. `text`: its bytes, already read (`run_task_file`'s), `path`
+    naming where they came from."""
     fix = "fix it, or remove it (the head in config.json then decides the task, with the default lengths)"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(path.read_bytes() if text is None else text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e}): {fix}") from None
     if not isinstance(meta, dict):
@@ -256,6 +261,111 @@ def read_task_file(path: Path) -> dict[str, Any]:
     if labels is not None and (not isinstance(labels, list) or not all(isinstance(x, str) for x in labels)):
         raise UserError(f"{path}: 'labels' must be a list of label names (strings), got {labels!r}: {fix}")
     return meta
+
+
+RUN_CONFIG = "config.yaml"  # a run folder's settings (`bertrain finetune` writes it beside final/ and step-N/)
+DECODING_KEYS = tuple(QA_DECODING)
+
+
+def run_task_file(folder: Path, architecture: str | None) -> tuple[bytes, Path] | None:
+    """THE rule for the task.json of a model folder, and where it came from (for `bertrain export`, which writes it
+    into the exported folder, and `Predictor`, which reads it): the folder's own (a run's final/ and best/); for a
+    step-N folder of a fine-tuning run (none of its own), its run's final/task.json when final/ holds the same
+    `architecture` (config.json's class name), else the one the run's config.yaml implies (what `bertrain finetune`
+    writes into final/); None outside a fine-tuning run. Without it, predict and serve decoded a step-N folder
+    otherwise than its run evaluated it (384/128-token windows, a SQuAD v2.0 model never answering "no answer").
+    A QA task.json of an older run gets the answer decoding its run evaluated with (data.n_best_size,
+    max_answer_length, null_score_diff_threshold), which `bertrain finetune` did not write into it then."""
+    run = folder.parent
+    data = _run_data(run / RUN_CONFIG)
+    decoding = {k: data[k] for k in DECODING_KEYS if k in data} if data else {}
+    own = folder / TASK_FILE
+    if not own.is_file() and data is not None and (run / "final" / TASK_FILE).is_file() \
+            and _architectures(run / "final") == [architecture]:
+        own = run / "final" / TASK_FILE  # the same run's final model: the same task, being the same kind of model
+    if own.is_file():
+        return _with_decoding(own.read_bytes(), decoding), own
+    task = _implied_task(data, architecture) if data else None
+    return None if task is None else ((json.dumps(task, indent=2) + "\n").encode(), run / RUN_CONFIG)
+
+
+def _run_data(config: Path) -> dict[str, Any] | None:
+    """The `data` section of a run's config.yaml ({} when it has none); None when there is no readable one."""
+    import yaml
+
+    if not config.is_file():
+        return None
+    try:
+        data = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("data") or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return None
+    return data if isinstance(data, dict) else {}
+
+
+def _architectures(model_dir: Path) -> Any:
+    try:
+        return json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _with_decoding(text: bytes, decoding: dict[str, Any]) -> bytes:
+    """A QA task.json's bytes with the run's answer decoding added where it does not say it (an older run's)."""
+    try:
+        task = json.loads(text)
+    except ValueError:
+        return text  # as it is: read_task_file names what is wrong with it
+    if not isinstance(task, dict) or task.get("kind") != "qa" or all(k in task for k in decoding):
+        return text
+    return (json.dumps({**task, **{k: v for k, v in decoding.items() if k not in task}}, indent=2) + "\n").encode()
+
+
+def _implied_task(data: dict[str, Any], architecture: str | None) -> dict[str, Any] | None:
+    """The task.json `bertrain finetune` writes into final/, from its config.yaml's data section."""
+    if architecture == BertForQuestionAnswering.__name__ and data.get("train_file"):
+        return {"kind": "qa", "task": "squad", "version_2_with_negative": bool(data.get("version_2_with_negative")),
+                **{k: data[k] for k in ("max_seq_length", "doc_stride", "max_query_length") if k in data},
+                **{k: data[k] for k in DECODING_KEYS if k in data}}
+    glue = GLUE_TASKS.get(data.get("task")) if isinstance(data.get("task"), str) else None
+    if architecture == BertForSequenceClassification.__name__ and glue is not None:
+        return {"kind": "regression" if glue.is_regression else "classification", "task": glue.name,
+                "labels": list(glue.labels) if glue.labels else None,
+                **({"max_seq_length": data["max_seq_length"]} if "max_seq_length" in data else {})}
+    return None
+
+
+def task_settings(model_dir: Path, architecture: str) -> tuple[dict[str, Any], Path | None]:
+    """The checked task.json settings of `model_dir` (`run_task_file`: its own, or for a step-N folder its run's)
+    and the file they came from; ({}, None) where neither the folder nor its run says."""
+    found = run_task_file(model_dir, architecture)
+    if found is None:
+        return {}, None
+    text, source = found
+    return read_task_file(source, text), source
+
+
+def _say_settings(model_dir: Path, source: Path | None, task: str) -> None:
+    """One line where the settings do not come from the folder's own task.json: the same model decodes otherwise
+    with other settings (a step-N folder of a SQuAD v2.0 run never answered "no answer"), and that was silent."""
+    if source is None:
+        defaults = ("384-token windows, stride 128, SQuAD v1.1 answers (never 'no answer')" if task == "qa"
+                    else "128 tokens, config.json's label names, any sentence or pair")
+        log.warning("%s has no %s, nor does a fine-tuning run around it: decoding with the default settings (%s), "
+                    "which may not be those the model was trained and evaluated with",
+                    model_dir, TASK_FILE, defaults)
+    elif source.parent != model_dir:
+        log.info("%s has no %s: using its run's settings from %s", model_dir, TASK_FILE, source)
+
+
+def _no_task(model_dir: Path, architecture: str, task: str | None) -> str:
+    """Why there is no task to predict, for a command-line user (whose flag is --task) as for the API."""
+    if task is not None:
+        return f"task {task!r}: use qa or classification (--task; Python: task=...)"
+    if architecture in (BertModel.__name__, BertForPreTraining.__name__):
+        return (f"{model_dir} holds a {architecture} without a QA or classification head: fine-tune it first "
+                "(bertrain finetune squad|glue ... writes OUTPUT/final, a folder to predict with)")
+    return (f"{model_dir}: cannot tell the task from config.json ({architecture}): pass --task qa|classification "
+            "(Python: task=...)")
 
 
 def _pair_task(name: Any) -> bool | None:
@@ -306,7 +416,8 @@ def _named_labels(model_dir: Path) -> list[str] | None:
     return names
 
 
-def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any], task: str) -> int:
+def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any], task: str,
+                    source: Path | None = None) -> int:
     """Tokens per input: `requested` (--max-seq-length), else task.json's, else 384 (QA) / 128, never more than the
     model's positions. Checked here because the model only fails on the first input that is that long (a batch
     of a stream, or a request that the server then blames on its client); the default without task.json is
@@ -326,7 +437,7 @@ def _checked_length(model_dir: Path, requested: int | None, meta: dict[str, Any]
         length = int(meta["max_seq_length"])
         if positions is not None and length > positions:  # a run that never met a long enough input wrote it
             log.warning("max_seq_length in %s is %d, more than the %d positions of the model: using %d",
-                        model_dir / TASK_FILE, length, positions, positions)
+                        source or model_dir / TASK_FILE, length, positions, positions)
             return positions
         return length
     if positions is not None and requested > positions:
