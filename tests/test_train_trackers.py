@@ -25,12 +25,12 @@ from bertrain.tasks.pretraining import PretrainConfig, run_pretraining
 mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'bertrain[mlflow]'")
 
 
-def _config(out: Path, steps: int = 4, **metrics) -> PretrainConfig:
+def _config(out: Path, steps: int = 4, save_interval: int = 2, **metrics) -> PretrainConfig:
     return from_dict(PretrainConfig, {
         "model": {"preset": "tiny"}, "data": {"synthetic_samples": 64, "vocab_size": 100},
         "sample": {"max_seq_length": 32, "max_predictions_per_seq": 5},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 8, "log_interval": 1},
-        "checkpoint": {"save_interval": 2}, "seed": 3, "output_dir": str(out), "metrics": metrics})
+        "checkpoint": {"save_interval": save_interval}, "seed": 3, "output_dir": str(out), "metrics": metrics})
 
 
 def _client(uri: str):
@@ -69,7 +69,7 @@ def test_a_file_store_mlflow_refuses_is_refused_before_any_work(tmp_path: Path, 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "./mlruns")
     with pytest.raises(ValueError, match="the environment variable MLFLOW_TRACKING_URI is './mlruns', a file store"):
         _config(tmp_path / "a", report_to=["mlflow"])
-    _config(tmp_path / "a", report_to=["tensorboard"])  # MLflow's store matters only when MLflow is asked for
+    _config(tmp_path / "a", report_to=["auto"])  # MLflow's store matters only when MLflow is asked for
     _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=f"sqlite:///{tmp_path}/m.db")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's way to keep a file store
     _config(tmp_path / "a", report_to=["mlflow"], mlflow_uri=str(tmp_path / "mlruns"))
@@ -233,3 +233,209 @@ def test_a_resume_gives_the_mlflow_run_each_step_of_metrics_jsonl_once(tmp_path:
     run_pretraining(_config(out, 4, report_to=[]))
     run_pretraining(_config(out, 6, report_to=["mlflow"], mlflow_uri=uri), resume="auto", allow_config_change=True)
     assert history(out) == jsonl(out) and len(jsonl(out)) == 6  # before: steps 5 and 6 only
+
+
+# ----------------------------------------------------------------------------------------------- how runs end
+
+def _at_step(monkeypatch, step: int, action) -> None:
+    """`action()` when the loop takes the batches of `step` (the trainer's `take`), as a signal or an error would."""
+    from bertrain.train import trainer
+    take, calls = trainer.take, [0]
+
+    def take_then(it, n):
+        calls[0] += 1
+        if calls[0] == step:
+            action()
+        return take(it, n)
+    monkeypatch.setattr(trainer, "take", take_then)
+
+
+def _wandb_exit_code(out: Path, run_id: str) -> int:
+    (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
+    deadline = time.time() + 60
+    while True:  # wandb-core writes the file in its own process: complete once its exit record is in it
+        exits = [r.exit for r in _wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+        if exits:
+            return exits[-1].exit_code
+        assert time.time() < deadline, f"{path} has no exit record"
+        time.sleep(0.1)
+
+
+def test_a_failed_run_ends_failed_and_a_stopped_one_killed_in_mlflow_and_wandb(tmp_path: Path, monkeypatch) -> None:
+    """Before: every run ended FINISHED (W&B: exit code 0), also one that diverged (exit 2) or was stopped by a
+    signal (exit 3), so a dashboard could not tell them from a finished run."""
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'bertrain[wandb]'")
+    from bertrain.train.precision import Diverged
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trackers = {"report_to": ["mlflow", "wandb"], "mlflow_uri": uri}
+
+    def ended(out: Path) -> tuple[str, int]:
+        ids = json.loads((out / "trackers.json").read_text())
+        return _client(uri).get_run(ids["mlflow"]).info.status, _wandb_exit_code(out, ids["wandb"])
+
+    def diverge():
+        raise Diverged("training diverged (here: on purpose)")
+
+    _at_step(monkeypatch, 3, diverge)
+    with pytest.raises(Diverged):
+        run_pretraining(_config(tmp_path / "diverged", 4, **trackers))
+    assert ended(tmp_path / "diverged") == ("FAILED", 1)
+
+    _at_step(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))  # saved at step 2, resumable
+    stopped = run_pretraining(_config(tmp_path / "stopped", 4, **trackers))
+    assert stopped.stopped_by_signal and stopped.state.step == 2
+    assert ended(tmp_path / "stopped") == ("KILLED", 3)
+
+    monkeypatch.undo()  # the resume continues the same runs to FINISHED
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    ids = json.loads((tmp_path / "stopped" / "trackers.json").read_text())
+    run_pretraining(_config(tmp_path / "stopped", 4, **trackers), resume="auto")
+    assert json.loads((tmp_path / "stopped" / "trackers.json").read_text()) == ids
+    assert _client(uri).get_run(ids["mlflow"]).info.status == "FINISHED"
+
+
+def test_a_run_killed_before_its_first_checkpoint_ends_its_mlflow_run_when_continued(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """Before: `--resume auto` after a kill before the first checkpoint opened a second MLflow run and left the
+    first RUNNING for ever, with the killed attempt's points."""
+    from bertrain.train.trackers import MlflowTracker
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "run"
+
+    def killed():  # as kill -9: the process ends with its MLflow run open (finish never runs), no checkpoint
+        raise SystemExit(137)
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowTracker, "finish", lambda self, status="FINISHED": None)
+        _at_step(m, 3, killed)
+        with pytest.raises(SystemExit):
+            run_pretraining(_config(out, 4, save_interval=10, report_to=["mlflow"], mlflow_uri=uri))
+    assert not list(out.glob("step-*"))
+    (first,) = json.loads((out / "trackers.json").read_text()).values()
+    assert _client(uri).get_run(first).info.status == "RUNNING"
+
+    run_pretraining(_config(out, 4, save_interval=10, report_to=["mlflow"], mlflow_uri=uri), resume="auto")
+    (second,) = json.loads((out / "trackers.json").read_text()).values()
+    old, new = _client(uri).get_run(first), _client(uri).get_run(second)
+    assert second != first and new.info.status == "FINISHED"
+    assert old.info.status == "KILLED" and old.data.tags["bertrain.superseded_by"] == second
+    assert old.data.tags["bertrain.run_id"] == new.data.tags["bertrain.run_id"] == \
+        json.loads((out / "run.json").read_text())["run_id"]
+
+    # a finished run whose checkpoints are gone starts again from scratch: its run is not touched
+    for step in out.glob("step-*"):
+        import shutil
+        shutil.rmtree(step)
+    run_pretraining(_config(out, 4, save_interval=10, report_to=["mlflow"], mlflow_uri=uri), resume="auto")
+    assert _client(uri).get_run(second).info.status == "FINISHED"
+    assert "bertrain.superseded_by" not in _client(uri).get_run(second).data.tags
+
+
+def test_tensorboard_listed_without_its_package_is_refused_and_the_default_says_so(tmp_path: Path, monkeypatch,
+                                                                                   caplog) -> None:
+    """Before: `report_to: [tensorboard]` (command line or config file) without the package trained untracked with
+    an INFO line; only the default (auto) may be skipped, with that info line."""
+    import importlib.util
+
+    from bertrain.config import load_config
+    from bertrain.train.trackers import expand_report_to
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"lists tensorboard but the tensorboard package is not installed: "
+                                         r"pip install 'bertrain\[tensorboard\]'"):
+        _config(tmp_path / "a", report_to=["tensorboard", "mlflow"], mlflow_uri=f"sqlite:///{tmp_path}/m.db")
+    (tmp_path / "c.yaml").write_text("metrics:\n  report_to: [tensorboard]\n")
+    with pytest.raises(ValueError, match="lists tensorboard"):
+        load_config(PretrainConfig, str(tmp_path / "c.yaml"), {"output_dir": str(tmp_path / "a")})
+    assert not (tmp_path / "a").exists()
+
+    cfg = _config(tmp_path / "run", 2)  # the default: auto
+    assert cfg.metrics.report_to == ["auto"]
+    with caplog.at_level("INFO"):
+        run_pretraining(cfg)
+    (line,) = [r for r in caplog.records if "tensorboard is not installed" in r.getMessage()]
+    assert line.levelname == "INFO"  # the default asks for nothing in particular: not a warning
+    assert expand_report_to(["auto", "mlflow", "auto"]) == ["mlflow"]
+
+    # a run whose saved config says [tensorboard] (bertrain wrote the default so before `auto`) continues: a
+    # resume takes the metrics keys of the command, the checkpoint's config.yaml is compared as data
+    before = _config(tmp_path / "before", 2)
+    before.metrics.report_to = ["tensorboard"]  # as the old default was saved
+    run_pretraining(before)
+    assert "- tensorboard" in (tmp_path / "before" / "step-2" / "config.yaml").read_text()
+    result = run_pretraining(_config(tmp_path / "before", 4), resume="auto", allow_config_change=True)
+    assert result.state.step == 4
+
+
+def test_a_tracker_that_cannot_reach_its_server_gives_one_warning(tmp_path: Path, caplog) -> None:
+    """Before: urllib3's `Retrying (Retry(total=0 ...)) after connection broken by ...` came first, a second warning
+    for the same thing."""
+    from bertrain.train.trackers import MlflowTracker, TrackerIds, Trackers
+    trackers = Trackers([MlflowTracker(f"http://127.0.0.1:{free_port()}", "e", "run", "")])  # nothing listens
+    with caplog.at_level("WARNING"):
+        trackers.start(TrackerIds(), {}, {})
+        trackers.close()
+    assert [r.name for r in caplog.records if r.levelname == "WARNING"] == ["bertrain.train.trackers"], caplog.text
+
+
+def test_pipelines_of_one_recipe_have_their_own_mlflow_parent_ended_with_the_command(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Before: the parent run was found by the recipe's name alone (two pipelines of one recipe in different
+    folders shared it) and never terminated (RUNNING for ever)."""
+    from bertrain.pipeline import stages as pipeline
+    from bertrain.pipeline.recipe import load_recipe
+    from bertrain.utils.errors import RunStopped
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "mini.yaml").write_text(json.dumps({
+        "name": "mini",
+        "data": {"input": ["builtin:python-docs"], "vocab_size": 512, "prepare": {"masking": "dynamic"}},
+        "pretrain": {"model": {"preset": "tiny"}, "train": {"global_batch_size": 8, "micro_batch_size": 8},
+                     "checkpoint": {"save_interval": 100}, "eval": {"enabled": False},
+                     "metrics": {"report_to": ["mlflow"], "mlflow_uri": uri, "experiment": "rec"}},
+        "phase1": {"sample": {"max_seq_length": 32, "max_predictions_per_seq": 5}, "train": {"steps": 2}},
+        "phase2": None, "finetune": []}))
+
+    def pipeline_run(folder: str, report=None) -> None:
+        recipe = load_recipe(str(tmp_path / "mini.yaml"), [f"output_dir={tmp_path / folder}"])
+        with monkeypatch.context() as m:
+            if report is not None:
+                m.setattr(pipeline, "write_report", report)
+            pipeline.run_stages(recipe, pipeline.build_stages(recipe))
+
+    def parents() -> dict[str, tuple[str, list[str]]]:
+        """run folder -> (the parent's status, its children's folders)"""
+        runs = _runs(uri, "rec")
+        folders = {json.loads((tmp_path / f / "run.json").read_text())["run_id"]: f for f in ("a", "b")
+                   if (tmp_path / f / "run.json").is_file()}
+        out = {}
+        for p in (r for r in runs if r.info.run_name == "mini"):
+            folder = folders.get(p.data.tags.get("bertrain.pipeline_run_id"), "?")  # ?: not tagged with one
+            children = [Path(r.data.tags["bertrain.output_dir"]).parent.name for r in runs
+                        if r.data.tags.get("mlflow.parentRunId") == p.info.run_id]
+            out[folder] = (p.info.status, children)
+        return out
+
+    def fail(*a, **k):
+        raise RuntimeError("the report failed (here: on purpose)")
+
+    def stop(*a, **k):
+        raise RunStopped("stopped by a signal (here: on purpose)")
+
+    pipeline_run("a")
+    with pytest.raises(RuntimeError):
+        pipeline_run("b", report=fail)
+    assert parents() == {"a": ("FINISHED", ["a"]), "b": ("FAILED", ["b"])}
+    with pytest.raises(RunStopped):
+        pipeline_run("b", report=stop)  # only the report stage runs again: the parent is ended all the same
+    assert parents()["b"] == ("KILLED", ["b"])
+    pipeline_run("b")
+    assert parents() == {"a": ("FINISHED", ["a"]), "b": ("FINISHED", ["b"])}

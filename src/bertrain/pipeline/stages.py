@@ -68,6 +68,7 @@ from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.evaluation import maximises
 from bertrain.train.launch import launch_env
 from bertrain.train.resume import EXACT_KEYS, check_shared_output
+from bertrain.train.trackers import pipeline_parent
 from bertrain.utils.errors import RunStopped, UserError
 from bertrain.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
 from bertrain.utils.rundir import OutputLock, claim_run_folder, holds_run, move_aside, read_run
@@ -798,12 +799,13 @@ def format_plan(stages: list[Stage], decisions: dict[str, Decision], run_dir: Pa
 # ----------------------------------------------------------------------------------------------- the loop
 
 @contextlib.contextmanager
-def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[None]:
+def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[str]:
     """Rank 0 locks the run folder for the whole command and claims it for `bertrain run` (a folder of another
-    command is refused unless --overwrite, which moves it aside); every rank learns the outcome."""
+    command is refused unless --overwrite, which moves it aside); every rank learns the outcome: the folder's run
+    id (run.json)."""
     with contextlib.ExitStack() as held:
 
-        def claim() -> None:
+        def claim() -> str:
             held.enter_context(OutputLock(run_dir, "run"))
             existing = read_run(run_dir)
             foreign = (existing is not None and existing.get("command") != "run") or \
@@ -815,8 +817,9 @@ def pipeline_folder(run_dir: Path, dist: DistInfo, overwrite: bool) -> Iterator[
 
         # every stage's folder is inside: a node-local run folder is refused before the first stage, not after
         # the one-process stages ran on rank 0 (the first engine stage's own check would find it then)
-        check_shared_output(run_dir, on_rank0(f"use the run folder {run_dir}", claim), dist)
-        yield
+        run_id = on_rank0(f"use the run folder {run_dir}", claim)
+        check_shared_output(run_dir, run_id, dist)
+        yield run_id
 
 
 def _begin(stage: Stage, decision: Decision) -> None:
@@ -876,7 +879,9 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
     group = check_settings(recipe, stages)
     decisions: dict[str, Decision] = {}
     by_name = {s.name: s for s in stages}
-    with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite):
+    with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite) as run_id, \
+            pipeline_parent(run_id, lambda: [s.config for s in stages if s.config is not None], dist.is_main):
+        # the stages' MLflow parent is this run folder's (run.json), ended with the command (train/trackers.py)
         if dist.is_main:
             atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
         for stage in stages:

@@ -284,10 +284,10 @@ class EvalConfig:
 
 @dataclass
 class MetricsConfig:
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    report_to: list[str] = field(default_factory=lambda: ["auto"])
     """Experiment trackers beside metrics.jsonl (always written): tensorboard, mlflow, wandb (extras
-    bertrain[tensorboard|mlflow|wandb]; a missing tracker package is an error before any work, except the default
-    tensorboard, which is skipped with a warning)."""
+    bertrain[tensorboard|mlflow|wandb]; a listed tracker without its package is an error before any work), or auto
+    (the default): tensorboard when installed, else skipped with an info line; [] for none."""
     experiment: str = "bertrain"
     """MLflow experiment / W&B project."""
     run_name: str = ""

@@ -208,11 +208,13 @@ class Trainer:
         resume_step = state.step if start else None
         trackers = open_trackers(cfg, self.out, dist.is_main, task.name, resume_step, tracker_ids)
         with contextlib.ExitStack() as on_error:
-            on_error.callback(trackers.close)  # closed here on an error; on success the caller finishes them
+            # closed here on an error (FAILED; KILLED for a stop the watchdog raises); on success the caller
+            # finishes them (RunResult.finish)
+            on_error.push(trackers.close_after_error)
             stopped, last = self._train(run, state, changes, resume_step, trackers)
             on_error.pop_all()
         if stopped:
-            trackers.close()
+            trackers.close("KILLED")  # saved, resumable: `--resume auto` continues the same tracker runs
         if template is not None:  # one plain module again (every rank) for evaluation and the HF export
             # (the copy keeps the options' flags but not a compiled layer's compiled call: applied again)
             model = apply_model_options(gather_full_model(model, template, dist.device), cfg.model_options)
@@ -422,7 +424,7 @@ class _Run:
         if is_sharded(model):  # weights and optimizer state: each rank its shards (train/dcp.py)
             error: Exception | None = None
             try:
-                with writing(doing, kept=kept):
+                with writing(doing, kept=kept, where=self.out):
                     save_sharded_checkpoint(self.out, step, model, optimizer, train_state, self.cfg,
                                             self.cfg.checkpoint.keep_last, self.dist)
             except OutputError as e:
@@ -433,7 +435,7 @@ class _Run:
             return
 
         def write() -> None:
-            with writing(doing, kept=kept):
+            with writing(doing, kept=kept, where=self.out):
                 ckpt.save_checkpoint(self.out, step, model, {**train_state, "optimizer": optimizer.state_dict()},
                                      self.cfg, self.cfg.checkpoint.keep_last)
 
