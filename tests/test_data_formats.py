@@ -377,6 +377,17 @@ def test_a_json_array_is_named_as_one(tmp_path):
         assert f"jq -c '.[]' {name}" in str(e.value)
 
 
+def test_a_glob_into_a_datasets_folder_reads_the_folder(tmp_path):
+    """`hub/ds/*` passed state.json and dataset_info.json on as JSON Lines corpus files (bad_json_lines warnings)."""
+    docs = [f"Document {i} of the saved dataset." for i in range(30)]
+    _dataset(docs).save_to_disk(str(tmp_path / "ds"))
+    files = resolve_inputs([str(tmp_path / "ds" / "*")])
+    assert files and all(f.endswith(".arrow") for f in files)
+    report = SkipReport()
+    assert [d.text for d in iter_raw_documents(files, CorpusConfig(), report)] == docs
+    assert report.problems() == {}
+
+
 def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": ["Some text."]}), tmp_path / "c.parquet")
     (tmp_path / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"Some text.\n"))

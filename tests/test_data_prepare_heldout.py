@@ -290,7 +290,7 @@ def old_store(path: Path) -> dict[str, str]:
     return data_digest(path)
 
 
-def test_old_store_trains_says_no_heldout_and_gets_one_with_add_heldout(shakespeare, tmp_path, capsys):
+def test_old_store_trains_says_no_heldout_and_gets_one_with_add_heldout(shakespeare, tmp_path, capsys, caplog):
     out = tmp_path / "old"
     before = old_store(out)
     assert len(PretrainingDataset(out, SampleConfig(), masking="static")) > 7000  # trains as before
@@ -298,7 +298,10 @@ def test_old_store_trains_says_no_heldout_and_gets_one_with_add_heldout(shakespe
     assert status.dir is None and "before held-out sets existed" in status.reason and "--add-heldout" in status.reason
     with pytest.raises(ValueError, match="before held-out sets existed"):
         HeldoutEvalSet(out, SAMPLE)
-    assert cli_main(["prepare", "--add-heldout", str(out), "--workers", "1"]) == 0
+    with caplog.at_level("WARNING"):  # flags --add-heldout does not use are named (they were ignored silently)
+        assert cli_main(["prepare", "--add-heldout", str(out), "--workers", "1", "--seed", "7",
+                         "--max-seq-length", "64"]) == 0
+    assert "--max-seq-length, --seed are not used (only --heldout-* and --workers apply)" in caplog.text
     stats = json.loads(capsys.readouterr().out)
     assert data_digest(out) == data_digest(shakespeare)  # what a fresh prepare makes, static instances rebuilt
     assert stats["heldout"] == json.loads((shakespeare / "stats.json").read_text())["heldout"]

@@ -3,6 +3,7 @@ moved (`distributed.strategy` -> `parallelism.strategy`) still read, in files, o
 in a checkpoint's saved config; the batch arithmetic; launcher environments (torchrun, Slurm, Open MPI, PMI)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -385,3 +386,21 @@ def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_file_line_and_col
     with pytest.raises(ValueError) as e:
         load_config(PretrainConfig, path)
     assert str(e.value) == f"config file {path} is not valid YAML: {expected}"
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--metrics.report_to", "[mlflow", "a list such as [a, b] (line 1, column 8: expected ',' or ']'"),
+    ("--optim.betas", "[0.9", "a list such as [a, b] (line 1, column 5: expected ',' or ']'"),
+])
+def test_a_malformed_list_on_the_command_line_is_one_line_exit_2(tmp_path: Path, capsys, flag, value,
+                                                                  expected) -> None:
+    """A YAMLError is no ValueError: it was a traceback and exit 1, the code of a bug."""
+    from bertrain.cli import main
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"model": {"preset": "tiny"}, "data": {"synthetic_samples": 8, "vocab_size": 100},
+                               "output_dir": str(tmp_path / "run")}))
+    assert main(["pretrain", "--config", str(cfg), flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"bertrain pretrain: error: config key '{flag[2:]}': expected {expected}")
+    assert not (tmp_path / "run").exists()

@@ -152,6 +152,12 @@ def test_a_store_without_heldout_set_trains_with_a_warning(tmp_path: Path, caplo
     assert "no held-out evaluation" in caplog.text and f"bertrain prepare --add-heldout {store}" in caplog.text
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in records if r.get("event") == "eval"]
+    assert "will not stop this run" not in caplog.text
+    cfg = from_dict(PretrainConfig, _pretrain_config(store, tmp_path / "run2", train={"steps": 2},
+                                                     checkpoint={"save_interval": 0}, eval={"target": 0.5}))
+    with caplog.at_level("WARNING"):
+        run_pretraining(cfg)
+    assert "(eval.target will not stop this run)" in caplog.text  # said, not silently dropped
 
 
 def test_eval_disabled_evaluates_nothing_not_even_after_the_last_step(heldout_store: Path, tmp_path: Path,

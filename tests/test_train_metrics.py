@@ -136,3 +136,25 @@ class _nullwriter:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_plot_waits_for_another_threads_import_of_ipython(tmp_path):
+    """matplotlib's first canvas reads IPython.version_info; MLflow's tracker thread imports IPython lazily, and the
+    plot was lost once to "partially initialized module 'IPython'". Here a slow IPython is being imported by a thread
+    (it signals when its import has begun) while the plot is made."""
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-4}) + "\n" for s in range(1, 4)))
+    (tmp_path / "mods" / "IPython").mkdir(parents=True)
+    (tmp_path / "mods" / "began.py").write_text("import threading\nevent = threading.Event()\n")
+    (tmp_path / "mods" / "IPython" / "__init__.py").write_text(
+        "import time, began\nbegan.event.set()\ntime.sleep(2)\nversion_info = (9, 0, 0)\n")
+    code = (f"import sys, threading; sys.path.insert(0, {str(tmp_path / 'mods')!r})\n"
+            "import matplotlib.figure, matplotlib.backends.backend_agg, began\n"
+            "from bertrain.train.metrics import plot_metrics\n"
+            "t = threading.Thread(target=__import__, args=('IPython',)); t.start()\n"
+            "assert began.event.wait(60)\n"
+            f"plot_metrics({str(jsonl)!r}, {str(tmp_path / 'metrics.png')!r})\n"
+            "t.join()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")

@@ -111,8 +111,10 @@ def test_inputs_are_checked_before_overwrite_moves_a_finished_run_aside(finished
         assert says in err[-1] and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name], (extra, err)
         assert snapshot(out) == before
     model = save_tiny_model(tmp_path / "model")
-    for argv, says in ((finetune_argv("glue", tmp_path / "RTE-typo", model, out, 2), "config key 'data.data_dir' (--data-dir): "),
-                       (finetune_argv("glue", tmp_path, tmp_path / "no-model", out, 2), "config key 'init' (--init): ")):
+    for argv, says in ((finetune_argv("glue", tmp_path / "RTE-typo", model, out, 2),
+                        "config key 'data.data_dir' (--data-dir): "),
+                       (finetune_argv("glue", tmp_path, tmp_path / "no-model", out, 2),
+                        "config key 'init' (--init): ")):
         assert main([*argv, "--overwrite"]) == 2
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
         assert snapshot(out) == before and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
@@ -396,6 +398,13 @@ def test_a_diverged_run_stops_before_writing_nan_weights_and_keeps_the_last_chec
     assert all(torch.isfinite(w).all() for w in weights.values())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5]  # logged before the check: the record shows where it broke
+    # diverged before the first checkpoint: nothing to continue from, so the advice is to start again
+    cfg = write_config(tmp_path / "cfg2.json", tmp_path / "run2", steps=12, save_interval=8, log_interval=5)
+    _plant_nan_gradient_at(monkeypatch, 6)
+    assert main(["pretrain", "--config", str(cfg), "--precision.mode", mode]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no checkpoint was written before. Start again with --overwrite and a lower optim.lr" in err
+    assert "--resume auto" not in err
 
 
 def test_fp16_skips_the_same_bad_step_and_trains_on(tmp_path, monkeypatch, capsys):

@@ -78,3 +78,20 @@ def test_the_os_error_is_found_in_each_wrapping() -> None:
     with pytest.raises(OutputError, match="the disk is full"):
         with writing("writing y"):
             raise CheckpointException()
+
+
+def test_a_full_disk_without_a_file_name_measures_the_folder_written(tmp_path: Path, monkeypatch) -> None:
+    """torch.save into a Python file and safetensors raise ENOSPC without a file name: the line gave the current
+    folder's free space (77 GB on another disk) instead of the full one's."""
+    import shutil
+
+    from bertrain.utils.errors import describe_os_error
+
+    sizes = {str(tmp_path / "run"): 0, str(Path.cwd()): 77_000 * 2**20}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, sizes.get(str(p), 5 * 2**20)))
+    (tmp_path / "run").mkdir()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OutputError) as e, writing("writing checkpoint step-3", where=tmp_path / "run"):
+        raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from full
+    assert f"the disk is full (0 MiB free on {tmp_path / 'run'})" in str(e.value)
+    assert "77,000 MiB" in describe_os_error(full, "writing")  # without `where`: the current folder, as before

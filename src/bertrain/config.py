@@ -32,7 +32,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar, Union
 
 import yaml
 
@@ -155,8 +155,8 @@ def _coerce(tp: Any, value: Any, key: str, from_string: bool) -> Any:
         raise bad()
     if origin in (list, tuple) or tp in (list, tuple):
         if from_string and isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-            value = parsed
+            value = _yaml_value(value, bad, "a list such as [a, b]") if value.strip().startswith("[") else \
+                [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise bad("a list")
         item_tp = args[0] if args else Any
@@ -164,13 +164,22 @@ def _coerce(tp: Any, value: Any, key: str, from_string: bool) -> Any:
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin is dict or tp is dict:
         if from_string and isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _yaml_value(value, bad, "a mapping such as {a: 1}")
         if not isinstance(value, dict):
             raise bad("a mapping")
         return dict(value)
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise bad()
+
+
+def _yaml_value(text: str, bad: Callable[[str], ValueError], expected: str) -> Any:
+    """A list or mapping given as YAML on the command line; malformed (`[mlflow`), the key's one-line error (a
+    YAMLError is no ValueError: it was a traceback and exit 1, the code of a bug)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise bad(f"{expected} ({describe_yaml_error(e)})") from None
 
 
 def _hints(cls: type) -> dict[str, Any]:

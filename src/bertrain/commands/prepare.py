@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.add_heldout is not None:
         if args.output is not None or args.vocab_file is not None:
             raise UserError("--add-heldout DIR works on DIR with its own vocab.txt: drop --output and --vocab-file")
+        _warn_ignored_by_add_heldout(args)
         stats = add_heldout(args.add_heldout, args.heldout_fraction, args.heldout_min_documents, args.workers)
         print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
         return 0
@@ -103,6 +104,20 @@ def run(args: argparse.Namespace) -> int:
     stats = prepare(cfg)
     print(json.dumps({k: v for k, v in stats.items() if k != "skipped"}, indent=2))
     return 0
+
+
+def _warn_ignored_by_add_heldout(args: argparse.Namespace) -> None:
+    """--add-heldout takes DIR's recorded settings: a flag given for anything else (--masking, --max-seq-length,
+    --seed, ...) was ignored without a word."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    applies = {"add_heldout", "input", "heldout_fraction", "heldout_min_documents", "workers", "overwrite"}
+    given = [a.option_strings[0] for a in defaults._actions
+             if a.dest not in applies and a.option_strings and a.dest != "help"
+             and getattr(args, a.dest, a.default) != a.default]
+    if given:
+        log.warning("--add-heldout uses the settings recorded in %s: %s not used (only --heldout-* and --workers "
+                    "apply)", args.add_heldout, ", ".join(given) + (" is" if len(given) == 1 else " are"))
 
 
 def _warn_unused_sample_flags(sample: SampleConfig, masking: str) -> None:

@@ -117,16 +117,20 @@ class PrepareConfig:
             errors.append("output: required")
         if not self.vocab_file:
             errors.append("vocab_file: required")
+        def name(field: str) -> str:  # the setting, and the flag of `bertrain prepare` that sets it
+            return f"{field} (--{field.replace('_', '-')})"
         if self.dupe_factor < 1:
-            errors.append(f"dupe_factor must be >= 1, got {self.dupe_factor}")
+            errors.append(f"{name('dupe_factor')} must be >= 1, got {self.dupe_factor}")
         if self.workers < 0:
-            errors.append(f"workers must be >= 0, got {self.workers}")
-        if self.shard_tokens < 1 or self.chunk_bytes < 1:
-            errors.append("shard_tokens and chunk_bytes must be positive")
+            errors.append(f"{name('workers')} must be >= 0, got {self.workers}")
+        if self.shard_tokens < 1:
+            errors.append(f"{name('shard_tokens')} must be positive, got {self.shard_tokens}")
+        if self.chunk_bytes < 1:
+            errors.append(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if not 0.0 <= self.heldout_fraction <= 0.5:
-            errors.append(f"heldout_fraction must be in [0, 0.5], got {self.heldout_fraction}")
+            errors.append(f"{name('heldout_fraction')} must be in [0, 0.5], got {self.heldout_fraction}")
         if self.heldout_min_documents < 0:
-            errors.append(f"heldout_min_documents must be >= 0, got {self.heldout_min_documents}")
+            errors.append(f"{name('heldout_min_documents')} must be >= 0, got {self.heldout_min_documents}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -517,7 +521,7 @@ def _split_heldout(work: Path, progress: dict[str, Any], fraction: float, min_do
         if cut is not None:  # the held-out documents' hashes, sorted: one digest that names the set
             rec["digest"] = hashlib.sha256(np.sort(every[every <= np.uint64(cut)]).astype(">u8").tobytes()).hexdigest()
         elif fraction > 0:  # (an info line: the warning that matters is the trainer's, "no held-out evaluation")
-            logger.info("no held-out set in %s: %s", work, reason)
+            logger.info("no held-out set in %s: %s", work.with_name(work.name.removesuffix(".partial")), reason)
         progress["heldout"] = rec
         status.doing = f"writing {progress_path}"
         atomic_write_json(progress_path, progress)

@@ -191,7 +191,13 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
             for p in sorted(glob.glob(spec, recursive=True)):
                 if any(os.path.normpath(p).startswith(f) for f in folders):
                     continue
-                if os.path.isfile(p):
+                parent = os.path.dirname(p) or "."
+                if os.path.isfile(p) and (dataset_files(parent) is not None or _is_dataset_dict(parent)):
+                    # a file of a `datasets` folder (`hub/ds/*`): the folder, read once (its state.json and
+                    # dataset_info.json were read as JSON Lines text, 25 warnings of invalid JSON)
+                    folders.append(os.path.join(os.path.normpath(parent), ""))
+                    matches.extend(_folder_files(parent))
+                elif os.path.isfile(p):
                     matches.append(p)
                 elif os.path.isdir(p):
                     folders.append(os.path.join(os.path.normpath(p), ""))

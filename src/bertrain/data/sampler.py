@@ -120,8 +120,10 @@ class ResumableLoader:
         if state.get("seed", s.seed) != s.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this loader uses {s.seed}")
         if state.get("num_samples", s.num_samples) != s.num_samples:
-            raise ValueError(f"loader state was saved for {state['num_samples']} samples per epoch, this data has "
-                             f"{s.num_samples}: it is different data or a different sample config")
+            raise ValueError(f"the checkpoint's data loader was saved for {state['num_samples']} samples per epoch, "
+                             f"this data has {s.num_samples}: it is different data (was data.prepared re-prepared "
+                             "or changed?) or a different sample config; resume with the data the run started "
+                             "with, or start a new run (--overwrite)")
         consumed = int(state["samples_consumed"])
         if consumed % s.per_micro_step:
             raise ValueError(f"cannot resume at {consumed} consumed samples with {s.world} ranks x micro batch "

@@ -660,7 +660,8 @@ def find_static(data_dir: Path, sample: SampleConfig, seed: int) -> tuple[Path, 
             return meta_path.parent, meta
     raise ValueError(
         f"{data_dir} has no static instances for {sample} with seed {seed} (present: {found or 'none'}); run "
-        f"`bertrain prepare --masking static` with these settings, or use masking='dynamic'")
+        f"`bertrain prepare --masking static` with these settings, or mask dynamically (data.masking: dynamic, "
+        "--data.masking dynamic)")
 
 
 def open_instances(path: Path, meta: dict) -> np.ndarray:

@@ -24,8 +24,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from bertrain.config import (deep_merge, flatten, from_dict, load_config, load_file, set_dotted, to_dict,
-                            upgrade_keys)
+from bertrain.config import (deep_merge, describe_yaml_error, flatten, from_dict, load_config, load_file, set_dotted,
+                            to_dict, upgrade_keys)
 from bertrain.data.prepare import PrepareConfig
 from bertrain.data.readers import CorpusConfig
 from bertrain.pipeline.downstream import TASK_NAME
@@ -328,7 +328,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
-            raise UserError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+            raise UserError(f"--set {item!r}: the value is not valid YAML ({describe_yaml_error(e)})") from None
         key = key.strip()
         m = re.fullmatch(r"finetune\[(\d+)\]\.(.+)", key)  # one task of the list: finetune[0].seeds=[1]
         if m:

@@ -231,7 +231,10 @@ class PretrainingTask:
             status = heldout_status(data.data_dir)
             self.can_evaluate = status.dir is not None
             if not self.can_evaluate:
-                log.warning("no held-out evaluation: %s", status.reason)
+                e = cfg.eval
+                unused = [k for k, v in (("eval.target", e.target), ("eval.patience", e.patience)) if v]
+                log.warning("no held-out evaluation: %s%s", status.reason,
+                            f" ({' and '.join(unused)} will not stop this run)" if unused else "")
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -452,7 +455,7 @@ def _finish(cfg: PretrainConfig, model: nn.Module) -> Path | None:
     _plot(out)
     if not cfg.checkpoint.export_final:
         return None
-    with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact"):
+    with writing(f"exporting the final model to {out / 'final'}", kept="the checkpoints are intact", where=out):
         return ckpt.export_final(out, model)
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +96,26 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+def _wait_for_ipython() -> None:
+    """matplotlib's first canvas reads `sys.modules["IPython"].version_info`; MLflow's tracker thread imports IPython
+    lazily, and a canvas made during that import failed ("partially initialized module 'IPython'"): the plot was
+    lost. Importing it here waits for the other thread's import to finish (Python's per-module import lock)."""
+    if "IPython" in sys.modules:
+        try:
+            import IPython  # noqa: F401
+        except Exception:  # noqa: BLE001 - its own import failed in the other thread: matplotlib copes with that
+            pass
+
+
 def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     """A 2x2 PNG: loss, MLM/NSP accuracy (training batches, and the held-out set when evaluated), throughput (seq/s)
     and learning rate against the step."""
-    # matplotlib is imported here, at the end of a run: nothing else needs it, so no other command pays its import
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # matplotlib is imported here, at the end of a run: nothing else needs it, so no other command pays its import.
+    # A Figure on the Agg canvas (no pyplot: no global state, no display).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    _wait_for_ipython()
 
     records = read_metrics(jsonl)
     rows = [r for r in records if "loss" in r]
@@ -120,7 +134,9 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
         if points:
             ax.plot(*zip(*points), marker="o", linestyle="--", color=color, label=f"{label} held-out")
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
     ax = axes[0][0]
     ax.plot(steps, series("loss"), label="total")
     curve(ax, "mlm_loss", "MLM")
@@ -142,6 +158,5 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> Path:
     png = Path(png)
     buf = io.BytesIO()  # rendered first, then written atomically: a kill mid-write left a truncated PNG
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     atomic_write_bytes(png, buf.getvalue())
     return png

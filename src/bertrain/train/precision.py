@@ -130,12 +130,15 @@ class Precision:
         first = -1 if self.first_nonfinite is None else int(self.first_nonfinite)
         if first < 0:
             return
+        what = kept()
+        # a checkpoint to continue from, or none (Trainer.kept: "... is intact" / "no checkpoint was written before")
+        again = "Continue from it with --resume auto --allow-config-change" if "intact" in what else \
+            "Start again with --overwrite"
         raise Diverged(
             f"training diverged: the gradient norm was inf/NaN at step {first} ({self.cfg.mode} has no loss scaling "
             f"to skip such a step), so the weights of steps {first}-{step} are not usable and nothing of them was "
-            f"written; {kept()}. Continue from it with --resume auto --allow-config-change and a lower optim.lr, a "
-            "longer schedule.warmup or a smaller optim.max_grad_norm (the same settings diverge the same way), "
-            "or look at the data of that step")
+            f"written; {what}. {again} and a lower optim.lr, a longer schedule.warmup or a smaller "
+            "optim.max_grad_norm (the same settings diverge the same way), or look at the data of that step")
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict(), "consecutive_skips": self.consecutive_skips,

@@ -48,13 +48,16 @@ def _free_space(path: Path) -> str:
     return ""
 
 
-def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_bytes: int | None = None) -> str:
-    """One line: what was being done, why it failed (the OS's words), free vs needed space, what was kept."""
+def describe_os_error(e: OSError, doing: str, kept: str | None = None, needed_bytes: int | None = None,
+                      where: str | os.PathLike | None = None) -> str:
+    """One line: what was being done, why it failed (the OS's words), free vs needed space, what was kept. `where`:
+    the folder being written, for an error that names no file (torch.save into a Python file, safetensors' Rust
+    error): its free space, not the current folder's, is the one that ran out."""
     path = Path(e.filename) if e.filename else None
     reason = e.strerror or str(e)
     parts = [f"{doing}: {reason}" + (f" ({path})" if path else "")]
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = _free_space(path or Path.cwd())
+        free = _free_space(path or (Path(where) if where is not None else Path.cwd()))
         need = f", about {needed_bytes / 2**20:,.0f} MiB needed" if needed_bytes else ""
         what = "the disk is full" if e.errno == errno.ENOSPC else "your disk quota is used up"
         parts.append(f"{what} ({free}{need}): free space or write elsewhere")
@@ -81,8 +84,10 @@ class OutputError(UserError):
 
 
 @contextlib.contextmanager
-def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None) -> Iterator[None]:
-    """Turn an OSError inside the block into an `OutputError` naming what was being written and what was kept."""
+def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None,
+            where: str | os.PathLike | None = None) -> Iterator[None]:
+    """Turn an OSError inside the block into an `OutputError` naming what was being written and what was kept
+    (`where`: the folder written, see `describe_os_error`)."""
     try:
         yield
     except OutputError:
@@ -92,7 +97,7 @@ def writing(doing: str, kept: str | None = None, needed_bytes: int | None = None
         cause = os_error_in(e) if isinstance(e, Exception) or hasattr(e, "failures") else None
         if cause is None:
             raise
-        raise OutputError(describe_os_error(cause, doing, kept, needed_bytes)) from e
+        raise OutputError(describe_os_error(cause, doing, kept, needed_bytes, where)) from e
 
 
 # Rust's std::io::Error as safetensors and tokenizers print it: "I/O error: No space left on device (os error 28)"
