@@ -299,6 +299,23 @@ def test_a_failed_run_ends_failed_and_a_stopped_one_killed_in_mlflow_and_wandb(t
     assert _client(uri).get_run(ids["mlflow"]).info.status == "FINISHED"
 
 
+def test_an_error_after_the_last_step_ends_the_tracker_run_failed(tmp_path: Path, monkeypatch) -> None:
+    """An error between `fit` and `RunResult.finish` (exporting final/, the final evaluation) left the MLflow run
+    RUNNING for ever: nothing closed it."""
+    from bertrain.train import checkpoint as ckpt
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def export_fails(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "export_final", export_fails)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="exporting the final model"):
+        run_pretraining(_config(out, 2, report_to=["mlflow"], mlflow_uri=uri))
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    assert _client(uri).get_run(run_id).info.status == "FAILED"
+
+
 def test_a_run_killed_before_its_first_checkpoint_ends_its_mlflow_run_when_continued(tmp_path: Path,
                                                                                      monkeypatch) -> None:
     """Before: `--resume auto` after a kill before the first checkpoint opened a second MLflow run and left the

@@ -7,6 +7,7 @@ resume are `bertrain.train.trainer.Trainer`'s, exactly as in pretraining. Evalua
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -419,7 +420,8 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite,
                        {"init": cfg.init, "data.train_file": d.train_file if cfg.do_train else "",
-                        "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS):
+                        "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS), \
+            contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init),
                                   "data.train_file": d.train_file if cfg.do_train else "",
                                   "data.dev_file": d.dev_file if cfg.do_eval else ""})
@@ -477,6 +479,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
+            after_fit.enter_context(run.closing_on_error())  # the final evaluation and export: FAILED on an error
             model = run.model
             results.update(train_examples=len(examples), train_features=len(feats["input_ids"]),
                            **_train_results(run))
@@ -550,7 +553,8 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     check_length_fits_model(cfg.init, d.max_seq_length)
     with distributed_context(cfg.distributed) as dist, \
             run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite,
-                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS):
+                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS), \
+            contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init), "data.data_dir": d.data_dir})
         out_dir = _start(cfg, dist)
         tok = load_task_tokenizer(cfg.init)
@@ -584,6 +588,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
+            after_fit.enter_context(run.closing_on_error())  # the final evaluation and export: FAILED on an error
             model = run.model
             results.update(train_examples=len(examples), train_examples_available=n_all,
                            epochs=cfg.train.epochs if not cfg.train.steps else None, **_train_results(run))

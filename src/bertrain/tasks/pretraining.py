@@ -12,6 +12,7 @@ vocab the model is built with: a mismatch is an error, not a garbage run.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -427,12 +428,14 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
              "model.init": m.init or "", "model.preset": m.preset if m.preset.endswith(".json") else "",
              "optim.init_state": (cfg.optim.init_state or "") if resume is None else ""}  # a resume has its own
     with distributed_context(cfg.distributed) as dist, \
-            run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",)):
+            run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",)), \
+            contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank(input_paths(cfg))
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
         run = Trainer(cfg, dist).fit(task, resume, allow_config_change)
         result = PretrainResult(run, out)
         if not run.stopped_by_signal:
+            after_fit.enter_context(run.closing_on_error())
             result.final_dir = on_rank0("export the final model", lambda: _finish(cfg, run.model), long=True)
             results = {"steps": run.state.step, "stop_reason": run.ended_early, "train": run.last_metrics,
                        "evaluation": run.evaluation}

@@ -63,7 +63,7 @@ from bertrain.train.profiling import StepProfiler
 from bertrain.train.resume import find_resume_checkpoint, init_optimizer_state, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
-from bertrain.train.trackers import TrackerIds, Trackers, open_trackers
+from bertrain.train.trackers import TrackerIds, Trackers, open_trackers, run_status
 from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
 
@@ -136,6 +136,16 @@ class RunResult:
     def ended_early(self) -> str | None:
         """Why the run ended before its step count: the time budget, an early stop, a target, a search; or None."""
         return self.stop_reason or self.evaluation.get("stop_reason")
+
+    @contextlib.contextmanager
+    def closing_on_error(self) -> Iterator[None]:
+        """Around what the caller does between `fit` and `finish` (the final evaluation, the export): an error
+        there ends the trackers' runs FAILED (KILLED for a stop); they stayed RUNNING."""
+        try:
+            yield
+        except BaseException as e:
+            self.trackers.close(run_status(e))
+            raise
 
     def finish(self, results: dict[str, Any] | None = None, *artifacts: Path | None) -> None:
         """Hand the final results and the output folders/files to the trackers and close them (rank 0 logs;
