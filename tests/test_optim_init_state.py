@@ -4,6 +4,7 @@ from the same weights and the same first batch, the first step's first moment di
 beta1 x the loaded moment. (Sharded checkpoints and FSDP models: tests/test_train_fsdp.py.)"""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,9 @@ def test_what_cannot_start_the_moments_is_refused_naming_the_key(phase1: Path, t
               optim={"init_state": str(phase1 / "step-6")})
     assert key in err and "has shape" in err
     assert not list((tmp_path / "wider").glob("step-*"))  # refused before any step
+    damaged = tmp_path / "damaged-phase1"  # the newest checkpoint of the run folder fails its check
+    shutil.copytree(phase1, damaged)
+    weights = damaged / "step-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    err = run("damaged", optim={"init_state": str(damaged)})
+    assert f"{key}: " in err and "step-6" in err and "step-3" not in err  # not the older one's moments

@@ -328,16 +328,19 @@ def init_optimizer_state(cfg: TrainerConfig, model: Any, optimizer: Any, dist: D
         if not path.is_dir():
             raise UserError(f"{key} does not exist (give a checkpoint folder OUTPUT/step-N of the earlier run)")
         if not (path / ckpt.TRAIN_STATE).is_file() and ckpt.list_checkpoints(path):  # a run folder: its newest
-            newest = ckpt.latest_checkpoint(path)
-            if newest is None:
-                raise UserError(f"{key}: none of its checkpoints is complete and intact")
-            path = newest
+            complete = [p for _, p in ckpt.list_checkpoints(path) if (p / ckpt.COMPLETE).exists()]
+            if not complete:
+                raise UserError(f"{key}: none of its checkpoints is complete")
+            # the newest complete one; damaged, it is an error below (an older one's moments, taken with a
+            # warning, were paired with model.init's weights of the newest step)
+            path = complete[-1]
         if not (path / ckpt.TRAIN_STATE).is_file():
             raise UserError(f"{key} holds no optimizer state (no {ckpt.TRAIN_STATE}: an exported model folder?): give "
                             "a checkpoint folder OUTPUT/step-N of the earlier run")
         problem = ckpt.verify_checkpoint(path)
         if problem:
-            raise UserError(f"{key}: {problem}")
+            where = "" if path == given else f" (its newest complete checkpoint, {path.name})"
+            raise UserError(f"{key}{where}: {problem}")
         try:
             saved = flatten(to_dict(load_file(path / "config.yaml"))).get("optim.name")
         except (OSError, ValueError):
