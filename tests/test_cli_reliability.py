@@ -508,3 +508,23 @@ def test_evaluate_squad_with_the_files_swapped_is_one_short_line(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and len(err[0]) < 400 and "question id q is not a string: {'text': " in err[0]
     assert f"({len(repr({'text': context})):,} characters)" in err[0]
+
+
+def test_evaluate_squad_names_the_data_file_and_an_unused_na_prob_file(tmp_path, capsys, caplog):
+    qas = [{"id": "a", "question": "?", "answers": [{"text": "fox", "answer_start": 16}]},
+           {"id": "n", "question": "?", "answers": [], "is_impossible": True}]
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps({"version": "v2.0", "data": [{"title": "t", "paragraphs": [
+        {"context": "The quick brown fox.", "qas": qas}]}]}))
+    (tmp_path / "p.json").write_text(json.dumps({"a": "fox", "n": ""}))
+    (tmp_path / "odds.json").write_text(json.dumps({"a": -1.0, "n": 2.0}))
+    argv = ["evaluate", "squad", "--data", str(data), "--predictions", str(tmp_path / "p.json")]
+    assert main([*argv, "--version", "1.1"]) == 2  # an unanswerable question scored as v1.1: the file is named
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"bertrain evaluate: error: {data}: question id n has no gold answers")
+    (tmp_path / "v1.json").write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": [
+        {"context": "The quick brown fox.", "qas": qas[:1]}]}]}))
+    with caplog.at_level(logging.WARNING):
+        assert main(["evaluate", "squad", "--data", str(tmp_path / "v1.json"), "--predictions",
+                     str(tmp_path / "p.json"), "--na-prob-file", str(tmp_path / "odds.json")]) == 0
+    assert "--na-prob-file" in caplog.text and "is not used" in caplog.text

@@ -71,13 +71,20 @@ def run(args: argparse.Namespace) -> int:
     if strangers:  # the official scripts ignore them silently; usually the wrong data file or a wrong split
         log.warning("%d of %d predictions are for question ids not in %s (ignored), e.g. %s", len(strangers),
                     len(preds), args.data, ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else ""))
-    if na_probs is not None and (args.version or ("2.0" if is_squad_v2(dataset) else "1.1")) == "2.0":
+    version = args.version or ("2.0" if is_squad_v2(dataset) else "1.1")
+    if na_probs is not None and version == "1.1":  # evaluate-v1.1.py has no such file: said, not ignored silently
+        log.warning("%s is scored as SQuAD v1.1 (no unanswerable questions): --na-prob-file %s is not used (give "
+                    "--version 2.0 to score it as v2.0)", args.data, args.na_prob_file)
+    if na_probs is not None and version == "2.0":
         lacking = [qid for qid in preds if qid in qids and qid not in na_probs]
         if lacking:  # the official script stops with a KeyError; name the file and what to give
             raise ValueError(f"{args.na_prob_file}: no value for question id {lacking[0]} ({len(lacking)} of the "
                              f"{len(preds)} predicted questions lack one): give the null_odds.json written with "
                              f"{args.predictions}")
-    result = evaluate_squad(dataset, preds, na_probs, version=args.version, na_prob_thresh=args.na_prob_thresh)
+    try:
+        result = evaluate_squad(dataset, preds, na_probs, version=args.version, na_prob_thresh=args.na_prob_thresh)
+    except ValueError as e:  # the scoring's own errors name a question, not the file it is in
+        raise ValueError(f"{args.data}: {e}") from None
     print(json.dumps(result, indent=2))
     if args.output:
         with writing(f"writing the scores to {args.output}"):

@@ -261,10 +261,10 @@ class EvalConfig:
     """The model a run ends with (OUTPUT/final, the final dev evaluation): the best evaluated one (kept in
     OUTPUT/best) or the last one."""
     patience: int = 0
-    """Early stopping: stop after this many evaluations in a row without an improvement of at least min_delta
+    """Early stopping: stop after this many evaluations in a row without an improvement of more than min_delta
     (0: never stop early)."""
     min_delta: float = 0.0
-    """The smallest change of the selection metric that counts as an improvement."""
+    """An improvement is a change of the selection metric by more than this."""
     target: Optional[float] = None
     """Stop once the selection metric reaches this value (e.g. 0.72 held-out MLM accuracy, MLPerf's BERT target)."""
 
