@@ -221,3 +221,20 @@ def test_text_pair_without_text_is_refused_not_ignored(mrpc_like, capsys, monkey
     monkeypatch.setattr("sys.stdin", io.StringIO('{"text": "a b c", "text_pair": "a b d"}\n'))
     code, out, err = run_cli(capsys, "predict", "--model", mrpc_like, *argv)
     assert (code, out) == (2, "") and one_line_error(err) == f"bertrain predict: error: {message}"
+
+
+def test_a_classifier_given_a_table_or_qa_given_text_flags_says_so(mrpc_like, tmp_path, capsys):
+    """A Parquet file for a classifier was read as JSON lines ("not UTF-8 text ... iconv"); --text / --text-pair
+    given to a QA model beside --question and --context were ignored without a word."""
+    from bertrain.model.bert import BertForQuestionAnswering
+
+    table = tmp_path / "validation-00000-of-00001.parquet"
+    table.write_bytes(b"PAR1\x00\x01binary")
+    code, _, err = run_cli(capsys, "predict", "--model", mrpc_like, "--input", table)
+    assert code == 2 and "a classification model reads JSON lines" in one_line_error(err)
+    qa = save_tiny_head_model(BertForQuestionAnswering, tmp_path / "qa",
+                              task={"kind": "qa", "task": "squad", "max_seq_length": 64})
+    code, _, err = run_cli(capsys, "predict", "--model", qa, "--question", "who?", "--context", "Ada wrote it.",
+                           "--text-pair", "x")
+    assert code == 2 and one_line_error(err) == (
+        "bertrain predict: error: --text-pair: a QA model reads --question and --context only")

@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         if p.task == "qa":
             if args.question is None or args.context is None:
                 raise ValueError("a QA model needs both --question and --context")
+            given = [flag for flag in ("--text", "--text-pair") if flags[flag] is not None]
+            if given:  # a classifier's flags: they were ignored without a word
+                raise ValueError(f"{' and '.join(given)}: a QA model reads --question and --context only")
             items_iter = iter([{"id": "0", "question": args.question, "context": args.context}])
         else:
             if args.text is None:
@@ -213,6 +216,10 @@ def _guess_format(src: str, task: str) -> str:
     if src.endswith((".tsv", ".txt")):
         return "tsv"
     squad = src.lower().endswith(SQUAD_SUFFIXES) or (src != "-" and Path(src).is_dir())
+    if squad and task != "qa" and not src.lower().endswith(".json"):  # read as JSON lines: "not UTF-8 … iconv"
+        raise ValueError(f"{src}: a {task} model reads JSON lines ({{text[, text_pair]}} per line) or TSV "
+                         "(text[<TAB>text_pair]); a Parquet or Arrow file or a datasets folder is read for QA "
+                         "models only: write its rows as JSON lines first")
     return "squad" if squad and task == "qa" else "jsonl"
 
 
