@@ -344,3 +344,19 @@ def test_keys_added_since_do_not_redo_a_run_folder_of_before(tmp_path):
         f"output_dir={tmp_path / 'run'}", "phase2.optim.init_state=phase1"]))}
     assert moments["pretrain-phase2"].settings["optim.init_state"] == "$RUN/pretrain-phase1"
     assert _digest(moments["pretrain-phase1"].settings) == before["pretrain-phase1"]
+
+
+def test_a_stopped_fine_tuning_stage_says_how_bertrain_run_continues() -> None:
+    """The engine's advice ("continue with the same command and --resume auto") is no `bertrain run` flag."""
+    import types
+
+    from bertrain.pipeline.stages import _stage_stop
+    from bertrain.utils.errors import RunStopped
+
+    stage = types.SimpleNamespace(name="finetune-pydoc-topics-pretrained-s1")
+    with pytest.raises(RunStopped) as e, _stage_stop(stage):
+        raise RunStopped("stopped by a signal at step 6 after saving out/step-6 (...); continue with the same "
+                         "command and --resume auto", checkpoint=Path("out/step-6"))
+    assert str(e.value) == ("stage finetune-pydoc-topics-pretrained-s1: stopped by a signal at step 6 after saving "
+                            "out/step-6 (...); run the same `bertrain run` again to continue")
+    assert e.value.checkpoint == Path("out/step-6")

@@ -277,12 +277,21 @@ def architecture_config(phases: list[Any]) -> Any:
     return dataclasses.replace(first, model=model)
 
 
+# An engine stage resumes with allow_config_change: the pipeline resumes a stage only when its hash is the same,
+# and the hash covers every key the engine's resume check guards (EXACT_KEYS are left out of both), except the
+# paths inside the run folder, written as $RUN. So all the engine can find changed are those paths: a run folder
+# moved, or named otherwise (relative / absolute) since the stage was cut. Refused, the stage could never resume,
+# and the engine's advice (--allow-config-change) is no flag of `bertrain run`.
+RESUME = {"resume": "auto", "allow_config_change": True}
+CONTINUE = "run the same `bertrain run` again to continue"
+
+
 def _pretrain_work(cfg: Any, stage: Stage, dist: DistInfo) -> dict[str, Any]:
-    result = run_pretraining(cfg, resume="auto")
+    result = run_pretraining(cfg, **RESUME)
     if result.stopped_by_signal:
         step = result.state.step
         raise RunStopped(f"stopped by a signal in stage {stage.name} at step {step} (saved {cfg.output_dir}"
-                         f"/step-{step}); run the same `bertrain run` again to continue",
+                         f"/step-{step}); {CONTINUE}",
                          checkpoint=Path(cfg.output_dir) / f"step-{step}")
     return _pretrain_summary(Path(cfg.output_dir)) if dist.is_main else {}
 
@@ -548,7 +557,8 @@ def _trial_work(kind: str, plan_: _SearchPlan, k: int, stage: Stage, dist: DistI
     if plan_.search.pruner.name != "none":
         on_eval = functools.partial(_ask_pruner, plan_, finished, Path(cfg.output_dir) / "metrics.jsonl",
                                     stage.folder / search.PRUNED_FILE)
-    results = (run_squad if kind == "squad" else run_glue)(cfg, resume="auto", on_eval=on_eval)
+    with _stage_stop(stage):
+        results = (run_squad if kind == "squad" else run_glue)(cfg, **RESUME, on_eval=on_eval)
 
     def record() -> None:
         selection = json.loads((Path(cfg.output_dir) / "eval_results.json").read_text(encoding="utf-8"))["selection"]
@@ -611,7 +621,19 @@ def _run_summary(results: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _finetune_work(kind: str, stage: Stage, dist: DistInfo) -> dict[str, Any]:
-    return _run_summary((run_squad if kind == "squad" else run_glue)(stage.config, resume="auto"))
+    with _stage_stop(stage):
+        return _run_summary((run_squad if kind == "squad" else run_glue)(stage.config, **RESUME))
+
+
+@contextlib.contextmanager
+def _stage_stop(stage: Stage) -> Iterator[None]:
+    """A fine-tuning stage stopped by a signal: the engine's advice ("continue with the same command and --resume
+    auto") is no `bertrain run` flag; say what the pretraining stages say."""
+    try:
+        yield
+    except RunStopped as e:
+        text = str(e).replace("continue with the same command and --resume auto", CONTINUE)
+        raise RunStopped(f"stage {stage.name}: {text}", checkpoint=e.checkpoint) from None
 
 
 def _random_init(folder: Path, arch_cfg: Any, seed: int, vocab_file: Path, stage: Stage) -> None:
