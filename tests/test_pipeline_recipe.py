@@ -360,3 +360,30 @@ def test_a_stopped_fine_tuning_stage_says_how_bertrain_run_continues() -> None:
     assert str(e.value) == ("stage finetune-pydoc-topics-pretrained-s1: stopped by a signal at step 6 after saving "
                             "out/step-6 (...); run the same `bertrain run` again to continue")
     assert e.value.checkpoint == Path("out/step-6")
+
+
+def test_the_process_group_keys_set_under_pretrain_hold_for_every_stage(tmp_path) -> None:
+    """`--set pretrain.distributed.timeout_s=900` was refused ("... differs from the recipe's
+    pretrain.distributed.timeout_s (900) ... set the key there only") because the fine-tuning stages kept 300."""
+    from bertrain.pipeline.stages import check_settings
+
+    recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path}", "pretrain.distributed.timeout_s=900",
+                                   "pretrain.distributed.backend=gloo"])
+    stages = build_stages(recipe)
+    group = check_settings(recipe, stages)
+    assert (group.timeout_s, group.backend) == (900, "gloo")
+    assert {(s.config.distributed.timeout_s, s.config.distributed.backend) for s in stages if s.parallel} == \
+        {(900, "gloo")}
+    recipe = load_recipe(DEFAULT, [f"output_dir={tmp_path}", "pretrain.distributed.timeout_s=900",
+                                   "finetune[0].config.distributed.timeout_s=60"])
+    with pytest.raises(UserError, match="distributed.timeout_s = 60 differs from the recipe's "
+                                        r"pretrain.distributed.timeout_s \(900\)"):
+        check_settings(recipe, build_stages(recipe))
+
+
+@pytest.mark.parametrize("phase", ["phase1", "phase2"])
+def test_a_phase_longer_than_the_models_positions_is_refused_before_any_work(tmp_path, phase) -> None:
+    """Phase 2's over-long samples were found when phase 2 began, after phase 1 (hours for BERT-base), and named
+    the engine's key; the dry run accepted them."""
+    with pytest.raises(UserError, match=f"recipe key {phase}.sample.max_seq_length: 1024 exceeds the 512 positions"):
+        build_stages(load_recipe(DEFAULT, [f"output_dir={tmp_path}", f"{phase}.sample.max_seq_length=1024"]))

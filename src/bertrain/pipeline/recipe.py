@@ -305,7 +305,10 @@ def finetune_config(recipe: Recipe, index: int, init: Path, output_dir: Path, se
         _refuse_pipeline_keys(t.config, ("data.task", "data.data_dir"), where, "the built-in task's data stage")
         pipeline["data"] = {"task": TASK_NAME, "data_dir": str(task_data_dir), "predict_test": False}
     cls = SquadFinetuneConfig if t.kind == "squad" else GlueFinetuneConfig
-    sections = [(where, t.config)]
+    # the process group's keys, set under pretrain.distributed, hold for every stage (one group serves them all):
+    # a task inherits them, and only its own different value is refused (check_process_group)
+    group = {k: v for k, v in ((recipe.pretrain or {}).get("distributed") or {}).items() if k in PROCESS_GROUP_KEYS}
+    sections = ([("pretrain", {"distributed": group})] if group else []) + [(where, t.config)]
     if params:
         nested: dict[str, Any] = {}
         for key, value in params.items():

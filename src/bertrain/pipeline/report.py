@@ -30,6 +30,7 @@ import yaml
 from bertrain.pipeline.recipe import Recipe, recipe_dict
 from bertrain.pipeline.search import describe
 from bertrain.pipeline.verdict import INCONCLUSIVE
+from bertrain.utils.io import atomic_write_text
 
 CURVES = (("loss", "loss (MLM + NSP)"), ("mlm_acc", "MLM accuracy"), ("nsp_acc", "NSP accuracy"), ("lr", "learning rate"),
           ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("seq_per_s", "sequences / s"))
@@ -507,7 +508,7 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
     md += ["## Fine-tuning results (dev set)", "", md_table(RESULT_HEADER, _results_rows(results)) or "(no tasks)", "",
            "Accuracy-type metrics in percent. GLUE figures of the BERT paper are test-server scores.", ""]
     for name, caption, svg in figures:
-        (out_dir / f"{name}.svg").write_text(svg, encoding="utf-8")
+        atomic_write_text(out_dir / f"{name}.svg", svg)
         if name.startswith("results-"):
             md += [f"![{caption}]({name}.svg)", ""]
     if notes:
@@ -522,7 +523,7 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
     md += ["## Environment", "", md_table(["package", "version"], [[k, v] for k, v in versions.items()]), "",
            md_table(["hardware", ""], [[k, v] for k, v in hw.items()]), "", "## Recipe (resolved)", "", "```yaml",
            recipe_yaml.rstrip(), "```", ""]
-    (out_dir / "report.md").write_text("\n".join(md), encoding="utf-8")
+    atomic_write_text(out_dir / "report.md", "\n".join(md))
 
     # ---- html: one file, everything inline
     e = html.escape
@@ -567,5 +568,5 @@ def write_report(recipe: Recipe, run_dir: Path, stages: list[Any], out_dir: Path
             f"<meta name=viewport content='width=device-width, initial-scale=1'><style>{style}</style></head>"
             f"<body>{''.join(parts)}</body></html>\n")
     path = out_dir / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic_write_text(path, page)
     return path

@@ -10,7 +10,7 @@ The hash of a stage is the sha256 of its resolved engine config (minus the keys 
 logging, checkpoint interval, workers, how the model runs — `train.resume.EXACT_KEYS` but `RESULT_KEYS`; paths inside the run
 folder written as `$RUN`), the identity of its external inputs (the content of corpus files and task data, size
 and time for files over 256 MiB) and the hashes of the stages it depends on. So a change anywhere redoes that
-stage and every stage after it, and nothing else. A stage is
+stage and every stage that depends on it, and nothing else. A stage is
 
 * skipped: complete, the same hash, its output files still have the recorded sha256, and every stage it depends
   on is skipped too;
@@ -191,6 +191,7 @@ def build_stages(recipe: Recipe) -> list[Stage]:
     stages += phases
     pretrained = stages[-1]  # the last pretraining phase: fine-tuning starts from its final/ weights
     architecture = architecture_config([p.config for p in phases])
+    check_phase_lengths(phases, architecture)
     finetunes: list[Stage] = []
     for i in range(len(recipe.finetune)):
         task_stages = finetune_stages(recipe, i, pretrained, vocab_file, architecture)
@@ -259,6 +260,21 @@ def pretrain_stages(recipe: Recipe, vocab_file: Path, prepared: Path) -> list[St
                             f"{cfg.sample.max_seq_length}, {length}", True, deps, _settings(cfg, run), {},
                             ("final/model.safetensors",), functools.partial(_pretrain_work, cfg), config=cfg))
     return stages
+
+
+def check_phase_lengths(phases: list[Stage], architecture: Any) -> None:
+    """Each phase's sample length against the positions of the model the phases train, before any work (as
+    fine-tuning's max_seq_length is): phase 2's model comes from phase 1's weights, so the engine found a length
+    over them only when phase 2 began, after phase 1 (hours for BERT-base), naming its own key."""
+    positions = model_positions(architecture)
+    for stage in phases:
+        length = stage.config.sample.max_seq_length
+        if positions is not None and length > positions:
+            phase = stage.name.removeprefix("pretrain-")
+            raise UserError(f"recipe key {phase}.sample.max_seq_length: {length} exceeds the {positions} positions "
+                            "(max_position_embeddings) of the model the pretraining phases train: use "
+                            f"{positions} or less, or a model with more positions (phase1.model / "
+                            "pretrain.model.max_position_embeddings)")
 
 
 def architecture_config(phases: list[Any]) -> Any:
