@@ -142,7 +142,7 @@ def test_a_list_index_written_with_a_dot_says_how_to_write_it(tmp_path, capsys):
 
 def test_the_dry_run_refuses_what_the_run_would_refuse_before_any_work(tmp_path, capsys):
     argv = ["run", str(DEFAULT), "--set", f"output_dir={tmp_path / 'run'}", "--set",
-            "finetune[0].config.train.global_batch_size=17"]
+            "finetune[0].config.train.global_batch_size=17", "--set", "finetune[0].config.train.micro_batch_size=8"]
     for dry in (["--dry-run"], []):
         assert main(argv + dry) == 2
         assert "stage finetune-pydoc-topics-pretrained-s1: config key 'train.global_batch_size' (17)" in \

@@ -218,8 +218,13 @@ def test_batch_arithmetic() -> None:
     assert [resolve_batch(t, w).accumulation for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
     with pytest.raises(ValueError, match="train.global_batch_size.*train.micro_batch_size.*change one of them$"):
         resolve_batch(t, 3)  # 256 is not a multiple of 32 x 3
-    with pytest.raises(ValueError, match=r"\(16\) must be .* = 64; change one of them \(e.g. --train.micro_batch_size 8\)"):
-        resolve_batch(TrainConfig(steps=1, global_batch_size=16), 2)  # below the default micro batch x ranks
+    # a global batch below the micro batch x ranks: each rank takes its share, no accumulation (the same config
+    # on 1 and N processes; it was refused, naming the micro batch to set)
+    plan = resolve_batch(TrainConfig(steps=1, global_batch_size=16), 2)  # the default micro batch is 32
+    assert (plan.micro_batch_size, plan.accumulation, plan.global_batch_size) == (8, 1, 16)
+    assert resolve_batch(TrainConfig(steps=1, global_batch_size=16, micro_batch_size=16), 1).micro_batch_size == 16
+    with pytest.raises(ValueError, match=r"\(15\) must be divisible .* x world size \(2\)"):
+        resolve_batch(TrainConfig(steps=1, global_batch_size=15), 2)  # no equal share per rank
     with pytest.raises(ValueError, match="train.accumulation"):
         resolve_batch(TrainConfig(steps=1, global_batch_size=256, micro_batch_size=32, accumulation=3), 1)
     assert resolve_batch(TrainConfig(steps=1, micro_batch_size=8, accumulation=3), 2).global_batch_size == 48

@@ -416,13 +416,15 @@ def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
         acc = acc or 1
         glob = micro * acc * world_size
     elif acc == 0:
+        if glob < micro * world_size and glob % world_size == 0:
+            # micro_batch_size is the most one rank holds: a global batch below it x ranks needs no accumulation,
+            # each rank takes its share (a recipe with micro = global ran on 1 process and was refused on 2: the
+            # config would have had to change with the launcher)
+            micro = glob // world_size
         if glob % (micro * world_size):
-            # the usual case: a global batch below the default micro batch (32) x ranks: say the micro batch to set
-            hint = f" (e.g. --train.micro_batch_size {glob // world_size})" if glob < micro * world_size and \
-                glob % world_size == 0 else ""
             raise ValueError(
                 f"config key 'train.global_batch_size' ({glob}) must be divisible by 'train.micro_batch_size' "
-                f"({micro}) x world size ({world_size}) = {micro * world_size}; change one of them{hint}")
+                f"({micro}) x world size ({world_size}) = {micro * world_size}; change one of them")
         acc = glob // (micro * world_size)
     elif glob != micro * acc * world_size:
         raise ValueError(
