@@ -421,3 +421,7 @@ def test_cpu_dropout_draws_the_same_distribution_and_its_gradient_is_the_mask() 
     torch.manual_seed(3)
     assert torch.equal(d(x), y)
     assert torch.equal(d.eval()(x), x)
+    # the dtype of the input, as torch's kernel: a bf16 activation came back float32 (FSDP's bf16 LayerNorm then
+    # refused it on the CPU: "mixed dtype (CPU): expect parameter to have scalar type of Float")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert d.train()(x.detach().to(dtype)).dtype == dtype

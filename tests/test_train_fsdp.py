@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -217,6 +218,13 @@ def _sharded_step_worker(rank: int, world_size: int, out: str) -> None:
     results["bf16"] = {"seen": seen, "norms": norms,
                        "shard_dtype": next(sharded.parameters()).to_local().dtype,
                        "grad_dtype": next(sharded.parameters()).grad.to_local().dtype}
+    # with dropout on (the CPU mask was float32 and made bf16 activations float32, which the bf16 LayerNorm of the
+    # mixed-precision policy refused: "mixed dtype (CPU)", every bf16 FSDP run with dropout crashed)
+    dropping = apply_fsdp(BertForPreTraining(BertConfig.from_preset("tiny", vocab_size=100)), bf16_cfg, dist).train()
+    with bf16.autocast():
+        loss = dropping(batches[0], labels=batches[0]).loss
+    loss.backward()
+    results["bf16"]["dropout_loss"] = float(loss)
 
     # all-gathers per optimizer step of 4 micro-steps (FSDP2's own hook point; None where a torch version lacks it)
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
@@ -277,6 +285,7 @@ def test_sharded_optimizers_and_clipping_equal_full_tensors(tmp_path: Path) -> N
         bf16 = res["bf16"]
         assert bf16["seen"] == [torch.bfloat16] and bf16["shard_dtype"] == bf16["grad_dtype"] == torch.float32
         torch.testing.assert_close(bf16["norms"][1], bf16["norms"][0], rtol=2e-2, atol=0)
+        assert math.isfinite(bf16["dropout_loss"]) and bf16["dropout_loss"] > 0
     # 3 units (root, 2 layers): ZeRO-3 gathers each for forward and again for backward (the last layer stays
     # gathered) on every micro-step: 4 x 5; without resharding the weights stay gathered through the
     # accumulation: each unit once per optimizer step

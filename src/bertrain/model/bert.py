@@ -195,7 +195,9 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0 or x.device.type != "cpu":
             return super().forward(x)
-        return x * ((torch.rand_like(x) >= self.p) * (1.0 / (1.0 - self.p)))
+        # the mask in x's dtype, as torch's kernel keeps it: a bool mask times a Python float is float32, which
+        # turned bf16 activations into float32 (FSDP's bf16 LayerNorm then refused them: "mixed dtype (CPU)")
+        return x * ((torch.rand_like(x) >= self.p).to(x.dtype) * (1.0 / (1.0 - self.p)))
 
 
 class BertEmbeddings(nn.Module):
