@@ -203,6 +203,13 @@ def test_raw_input_prepared_on_the_fly_takes_the_heldout_keys(heldout_store: Pat
             config("x", **{key: value})
     with pytest.raises(ValueError, match=r"'data.heldout_fraction' must be in \[0, 0.5\]"):
         config("x", **raw, heldout_fraction=0.7)
+    # a batch plan that cannot work is refused before the raw corpus becomes a vocabulary and a token store (it was
+    # refused by the trainer, after them: hours on a Wikipedia dump)
+    bad = config("bad-batch", **raw)
+    bad.train.global_batch_size, bad.train.micro_batch_size = 15, 4
+    with pytest.raises(ValueError, match=r"'train.global_batch_size' \(15\) must be divisible"):
+        run_pretraining(bad)
+    assert not (tmp_path / "bad-batch" / "vocab").exists() and not (tmp_path / "bad-batch" / "data").exists()
 
 
 @pytest.mark.slow

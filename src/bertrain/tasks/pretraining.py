@@ -37,10 +37,11 @@ from bertrain.model.hf import (config_from_json_file, model_dir_or_name, read_to
                               tokenizer_files_from_vocab)
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
-from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
+from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive, resolve_batch
 from bertrain.train.distributed import (DistInfo, all_reduce_sum, distributed_context, on_rank0,
                                        same_paths_on_every_rank)
 from bertrain.train.metrics import plot_metrics
+from bertrain.train.parallel import ParallelDims
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer, to_device, trim_padding
@@ -431,6 +432,10 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
             run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",)), \
             contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank(input_paths(cfg))
+        # the batch plan and the parallel layout at this world size (Trainer.fit checks them again), before a raw
+        # corpus is turned into a vocabulary and a token store: refused after them, hours were lost on a dump
+        resolve_batch(cfg.train, dist.world_size)
+        ParallelDims.from_config(cfg, dist.world_size)
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
         run = Trainer(cfg, dist).fit(task, resume, allow_config_change)
         result = PretrainResult(run, out)
