@@ -115,7 +115,8 @@ def test_a_resume_that_would_change_a_derived_global_batch_is_refused(tmp_path: 
         spawn(_resume_worker, 1, base_config(out, global_batch_size=0, accumulation=2), "auto", False)
     assert "the global batch would change from 16 to 8 (train.global_batch_size is 0, so it is " \
            "train.micro_batch_size 4 x train.accumulation 2 x the ranks: 2 then, 1 now): continue on 2 ranks, keep " \
-           "it on 1 ranks with --train.accumulation 4 --allow-config-change" in str(refused.value)
+           "it on 1 ranks with --train.accumulation 4 --allow-config-change (or --train.global_batch_size 16 " \
+           "--train.accumulation 0 --allow-config-change, which keeps it on any number of ranks)" in str(refused.value)
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before  # nothing written
     spawn(_resume_worker, 1, base_config(out, global_batch_size=0, accumulation=4), "auto", True)
     resumed = torch.load(out / "rank0.pt")

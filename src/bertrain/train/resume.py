@@ -272,7 +272,8 @@ def check_global_batch(path: Path, saved: dict[str, Any], plan: BatchPlan, allow
     if old % (plan.micro_batch_size * plan.world_size) == 0:
         keep = (f" keep it on {plan.world_size} ranks with --train.accumulation "
                 f"{old // (plan.micro_batch_size * plan.world_size)} --allow-config-change (or "
-                f"--train.global_batch_size {old} --train.accumulation 0, which keeps it on any number of ranks),")
+                f"--train.global_batch_size {old} --train.accumulation 0 --allow-config-change, which keeps it on "
+                "any number of ranks),")
     raise UserError(f"--resume {path}: the global batch would change from {old} to {plan.global_batch_size} "
                     f"(train.global_batch_size is 0, so it is train.micro_batch_size {plan.micro_batch_size} x "
                     f"train.accumulation {plan.accumulation} x the ranks: {old_world} then, {plan.world_size} now): "
