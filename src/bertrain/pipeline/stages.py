@@ -536,7 +536,9 @@ def _trial_settings(ctx: _TaskContext, plan_: _SearchPlan, init: Path, folder: P
                     extra: dict[str, Any], what: str, params: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
     """A trial's config, hashed settings and description. What decides its result: its config (the parameters
     in it), the pruner, and the earlier trials the pruner compares with (the stage depends on trial k-1, so on
-    all). Not the rest of the search: appending a value to a grid redoes no finished trial."""
+    all). Not the rest of the search: appending a value to the grid's first key redoes no finished trial (the
+    first key varies slowest: the new points come last); a value added to any other key moves the later points,
+    and the trials from the first moved one on run again."""
     cfg = ctx.config(init, folder, seed, params, plan_.params_key)
     settings = {**_settings(cfg, ctx.recipe.run_dir), **extra, "search.params": params,
                 "search.pruner": to_dict(plan_.search.pruner)}
