@@ -238,3 +238,19 @@ def test_a_classifier_given_a_table_or_qa_given_text_flags_says_so(mrpc_like, tm
                            "--text-pair", "x")
     assert code == 2 and one_line_error(err) == (
         "bertrain predict: error: --text-pair: a QA model reads --question and --context only")
+
+
+def test_predict_suggests_scoring_only_a_file_with_answers(squad_v2_run, tmp_path, capsys):
+    """After a hidden test set (no answers) predict suggested `evaluate squad` on it, which then failed."""
+    dev = squad_v2_run.parent / "data" / "dev.json"
+    hidden = json.loads(dev.read_text())
+    for article in hidden["data"]:
+        for para in article["paragraphs"]:
+            for qa in para["qas"]:
+                qa.pop("answers", None)
+                qa.pop("is_impossible", None)
+    (tmp_path / "hidden.json").write_text(json.dumps(hidden))
+    for data, scoreable in ((dev, True), (tmp_path / "hidden.json", False)):
+        assert main(["predict", "--model", str(squad_v2_run / "final"), "--input", str(data), "--output",
+                     str(tmp_path / f"{data.stem}-preds.json")]) == 0
+        assert ("score them: bertrain evaluate squad" in capsys.readouterr().err) == scoreable

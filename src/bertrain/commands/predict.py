@@ -194,9 +194,10 @@ def _predict_squad(p, src: str, args: argparse.Namespace, kwargs: dict) -> int:
             atomic_write_json(out, preds)
             if null_odds:
                 atomic_write_json(odds, null_odds)
+        score = (f" (score them: bertrain evaluate squad --data {src} --predictions {out}"
+                 + (f" --na-prob-file {odds})" if null_odds else ")")) if _has_answers(src) else ""
         print(f"bertrain predict: {len(preds)} answers -> {out}" + (f", null odds -> {odds}" if null_odds else "")
-              + f" (score them: bertrain evaluate squad --data {src} --predictions {out}"
-              + (f" --na-prob-file {odds})" if null_odds else ")"), file=sys.stderr)
+              + score, file=sys.stderr)
     tp = p.throughput
     print(f"bertrain predict: {tp.examples} questions in {tp.seconds:.2f} s ({tp.per_second:.1f} examples/s, "
           f"batch size {args.batch_size}, {args.backend} {args.dtype})", file=sys.stderr)
@@ -207,6 +208,18 @@ SQUAD_SUFFIXES = (".json", ".parquet", ".arrow")
 """A QA model's input of these suffixes (or a folder) is a SQuAD split, in any layout `read_squad_items` reads: the
 SQuAD JSON, the Hub's Parquet (rajpurkar/squad), a `datasets` Arrow file or folder. Guessed as JSON lines, a
 Parquet file was refused as "not UTF-8 text"."""
+
+
+def _has_answers(src: str) -> bool:
+    """Whether the SQuAD file `src` can score predictions: a hidden test set (no answers) made the printed
+    `evaluate squad` command fail ("'answers' must be a list")."""
+    from bertrain.tasks.squad import load_dataset_json
+
+    try:
+        load_dataset_json(src)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _guess_format(src: str, task: str) -> str:
