@@ -140,21 +140,30 @@ class _nullwriter:
 
 def test_the_plot_waits_for_another_threads_import_of_ipython(tmp_path):
     """matplotlib's first canvas reads IPython.version_info; MLflow's tracker thread imports IPython lazily, and the
-    plot was lost once to "partially initialized module 'IPython'". Here a slow IPython is being imported by a thread
-    (it signals when its import has begun) while the plot is made."""
+    plot was lost once to "partially initialized module 'IPython'". Here a thread's import of IPython is held open
+    (after it began) until the plot has reached the point where it reads IPython: no fixed wait, only signals."""
     jsonl = tmp_path / "metrics.jsonl"
     jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-4}) + "\n" for s in range(1, 4)))
     (tmp_path / "mods" / "IPython").mkdir(parents=True)
-    (tmp_path / "mods" / "began.py").write_text("import threading\nevent = threading.Event()\n")
+    (tmp_path / "mods" / "signals.py").write_text("import threading\nbegan, go = threading.Event(), threading.Event()\n")
     (tmp_path / "mods" / "IPython" / "__init__.py").write_text(
-        "import time, began\nbegan.event.set()\ntime.sleep(2)\nversion_info = (9, 0, 0)\n")
-    code = (f"import sys, threading; sys.path.insert(0, {str(tmp_path / 'mods')!r})\n"
-            "import matplotlib.figure, matplotlib.backends.backend_agg, began\n"
+        "import signals\nsignals.began.set()\nsignals.go.wait()\nversion_info = (9, 0, 0)\n")
+    code = (f"import sys, threading, time; sys.path.insert(0, {str(tmp_path / 'mods')!r})\n"
+            "import matplotlib.figure, matplotlib.backends.backend_agg, signals\n"
             "from bertrain.train.metrics import plot_metrics\n"
-            "t = threading.Thread(target=__import__, args=('IPython',)); t.start()\n"
-            "assert began.event.wait(60)\n"
-            f"plot_metrics({str(jsonl)!r}, {str(tmp_path / 'metrics.png')!r})\n"
-            "t.join()\n")
+            "main = threading.main_thread().ident\n"
+            "def release():  # once the plot reads IPython (waiting for its import, or failing on it)\n"
+            "    while not signals.go.is_set():\n"
+            "        f, names = sys._current_frames().get(main), set()\n"
+            "        while f is not None:\n"
+            "            names.add(f.f_code.co_name); f = f.f_back\n"
+            "        if names & {'_wait_for_ipython', '_fix_ipython_backend2gui'}:\n"
+            "            signals.go.set()\n"
+            "        time.sleep(0.005)\n"
+            "threading.Thread(target=__import__, args=('IPython',), daemon=True).start()\n"
+            "assert signals.began.wait(60)\n"
+            "threading.Thread(target=release, daemon=True).start()\n"
+            f"plot_metrics({str(jsonl)!r}, {str(tmp_path / 'metrics.png')!r})\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")
