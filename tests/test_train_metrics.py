@@ -145,7 +145,8 @@ def test_the_plot_waits_for_another_threads_import_of_ipython(tmp_path):
     jsonl = tmp_path / "metrics.jsonl"
     jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-4}) + "\n" for s in range(1, 4)))
     (tmp_path / "mods" / "IPython").mkdir(parents=True)
-    (tmp_path / "mods" / "signals.py").write_text("import threading\nbegan, go = threading.Event(), threading.Event()\n")
+    (tmp_path / "mods" / "signals.py").write_text(
+        "import threading\nbegan, go = threading.Event(), threading.Event()\n")
     (tmp_path / "mods" / "IPython" / "__init__.py").write_text(
         "import signals\nsignals.began.set()\nsignals.go.wait()\nversion_info = (9, 0, 0)\n")
     code = (f"import sys, threading, time; sys.path.insert(0, {str(tmp_path / 'mods')!r})\n"
