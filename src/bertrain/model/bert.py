@@ -197,7 +197,7 @@ class Dropout(nn.Dropout):
             return super().forward(x)
         # the mask in x's dtype, as torch's kernel keeps it: a bool mask times a Python float is float32, which
         # turned bf16 activations into float32 (FSDP's bf16 LayerNorm then refused them: "mixed dtype (CPU)")
-        return x * ((torch.rand_like(x) >= self.p).to(x.dtype) * (1.0 / (1.0 - self.p)))
+        return x * (torch.rand_like(x) >= self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # in place: no extra tensor
 
 
 class BertEmbeddings(nn.Module):
