@@ -214,34 +214,30 @@ def test_on_rank0_value_and_every_failure_reach_every_rank(tmp_path: Path) -> No
 def test_one_rank_group_of_a_named_backend_runs_ddp_and_fsdp_and_equals_the_plain_run(runs: dict[int, Path],
                                                                                       tmp_path: Path) -> None:
     """`distributed.backend` named under a launcher at world size 1: a one-rank group (the code paths of NCCL on one
-    GPU, here gloo), DDP-wrapped, or FSDP2 with DCP checkpoints; the numbers are the plain run's, bit for bit. The
-    plain run is the module's 1-process run: the same `base_config`, spawned the same way."""
+    GPU, here gloo), DDP-wrapped, or FSDP2 with DCP checkpoints; so does fsdp under a launcher with the default
+    backend (an elastic FSDP job shrunk to one node); the numbers are the plain run's, bit for bit. The plain run is
+    the module's 1-process run: the same `base_config`, spawned the same way."""
     plain = runs[1]
     saved = torch.load(plain / "rank0.pt")
     finals = {"plain": saved["params"]}
     assert saved["backend"] is None and not (plain / "step-4" / "dcp").is_dir()  # no backend named: no group
     cfgs = {}
     for name, extra in [("ddp", {"distributed": {"backend": "gloo"}}),
-                        ("fsdp", {"distributed": {"backend": "gloo"}, "parallelism": {"strategy": "fsdp"}})]:
+                        ("fsdp", {"distributed": {"backend": "gloo"}, "parallelism": {"strategy": "fsdp"}}),
+                        ("fsdp-auto", {"parallelism": {"strategy": "fsdp"}})]:
         cfgs[name] = cfg = base_config(tmp_path / name)
         for key, values in extra.items():
             cfg[key] = {**cfg.get(key, {}), **values}
-    # without a named backend one rank makes no group, and fsdp is refused as before
-    refused = base_config(tmp_path / "refused")
-    refused["parallelism"] = {"strategy": "fsdp"}
     with ThreadPoolExecutor(3) as pool:  # side by side (one thread each: the same numbers as alone)
-        done = [pool.submit(spawn, _train_worker, 1, cfg, None) for cfg in (*cfgs.values(), refused)]
-        for run in done[:2]:
+        for run in [pool.submit(spawn, _train_worker, 1, cfg, None) for cfg in cfgs.values()]:
             run.result()
-        with pytest.raises(Exception, match="fsdp but the job has 1 rank"):
-            done[2].result()
     for name in cfgs:
         saved = torch.load(tmp_path / name / "rank0.pt")
         finals[name] = saved["params"]
-        assert saved["backend"] == "gloo"  # a named backend: a one-rank group
-        assert (tmp_path / name / "step-4" / "dcp").is_dir() == (name == "fsdp")
+        assert saved["backend"] == "gloo"  # a named backend, or fsdp: a one-rank group
+        assert (tmp_path / name / "step-4" / "dcp").is_dir() == name.startswith("fsdp")
         assert losses(tmp_path / name) == losses(plain)
-    for name in ("ddp", "fsdp"):
+    for name in ("ddp", "fsdp", "fsdp-auto"):
         assert all(torch.equal(finals[name][k], finals["plain"][k]) for k in finals["plain"]), name
 
 

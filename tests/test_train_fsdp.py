@@ -406,6 +406,28 @@ def test_resume_on_fewer_ranks(runs: dict[str, Path], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_launchers_one_rank_job_resumes_the_shards(runs: dict[str, Path], tmp_path: Path) -> None:
+    """What an elastic FSDP job that shrank to one node runs: torchrun's environment with WORLD_SIZE=1 and the
+    default backend. It makes a one-rank group and continues the 2-rank shards (before: 'fsdp but the job has 1
+    rank' at every restart, where a DDP job went on); without a launcher one process is still refused."""
+    out = tmp_path / "on1"
+    cfg = config(out)
+    path = write(tmp_path / "on1.json", cfg)
+    argv = [sys.executable, "-m", "bertrain", "pretrain", "--config", str(path),
+            "--resume", str(runs["fsdp-lamb"] / "step-10")]
+    r = subprocess.run(argv, env=cli_env(rank_env(0, 1, free_port())), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resuming on 1 ranks from a 2-rank checkpoint" in r.stderr, r.stderr[-4000:]
+    assert "micro 2 x accumulation 8 x 1 ranks" in r.stderr, r.stderr[-4000:]
+    assert (out / "step-15" / "dcp").is_dir()  # still sharded (one shard)
+    assert_records_close(records(runs["fsdp-lamb"]), records(out), range(11, 21))
+    assert_weights_close(final(runs["fsdp-lamb"]), final(out), rtol=1e-4, atol=1e-5)
+    alone = subprocess.run(argv[:-2] + ["--overwrite"], env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 2 and "fsdp but the job has 1 rank" in alone.stderr, alone.stderr[-2000:]
+    assert (out / "final" / "model.safetensors").is_file()  # refused before --overwrite moved the run aside
+
+
+@pytest.mark.slow
 def test_ddp_checkpoint_continues_under_fsdp_and_back(runs: dict[str, Path], tmp_path: Path) -> None:
     """DDP step-5 -> FSDP (steps 6-15, sharded checkpoints) -> DDP (steps 16-20) == the straight DDP run."""
     to_fsdp, back = tmp_path / "to-fsdp", tmp_path / "back"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,7 +105,10 @@ def test_inputs_are_checked_before_overwrite_moves_a_finished_run_aside(finished
              (["--data.synthetic_samples", "0", "--data.prepared", str(tmp_path / "typo")],
               "config key 'data.prepared': "),
              (["--model.init", str(out / "final")], "is inside the output folder"),  # --overwrite would move it
-             (["--data.synthetic_samples", "0", "--data.prepared", str(out)], "is the output folder of this run")]
+             (["--data.synthetic_samples", "0", "--data.prepared", str(out)], "is the output folder of this run"),
+             # the batch plan and the parallel layout too (FSDP on one process without a launcher)
+             (["--parallelism.strategy", "fsdp"], "'parallelism.strategy' is fsdp but the job has 1 rank"),
+             (["--train.global_batch_size", "12"], "config key 'train.global_batch_size'")]
     for extra, says in cases:
         assert main(["pretrain", "--config", str(cfg), "--overwrite", *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
@@ -127,7 +131,7 @@ def test_a_run_refused_before_any_work_does_not_block_the_corrected_command(tmp_
     cfg = write_config(tmp_path / "cfg.json", out)
     assert main(["pretrain", "--config", str(cfg), "--train.micro_batch_size", "3"]) == 2
     assert "micro_batch_size" in capsys.readouterr().err
-    leftover = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    leftover = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.exists() else []
     assert leftover in ([], ["run.json"])
     refused_id = json.loads((out / "run.json").read_text())["run_id"] if leftover else None
     assert main(["pretrain", "--config", str(cfg)]) == 0
@@ -178,6 +182,33 @@ def test_changed_architecture_is_refused_with_a_clear_message(finished, capsys):
                  "--allow-config-change"]) == 2
     err = capsys.readouterr().err
     assert "different architecture cannot continue a run" in err and "Traceback" not in err
+
+
+def test_phase2_resumes_after_its_model_init_folder_is_gone(finished, tmp_path, capsys, caplog):
+    """Phase 2 (model.init = phase 1's final/) killed after step 2, then phase 1's folder deleted to free disk: the
+    resume takes the architecture from its own checkpoint and ends bitwise as the straight run (before: 'config key
+    model.init: ... does not exist'). Without a checkpoint to resume, the missing model.init is still refused."""
+    _, phase1 = finished
+    init = tmp_path / "phase1-final"
+    phase1.joinpath("final").rename(init)
+    out = tmp_path / "phase2"
+    cfg = json.loads(write_config(tmp_path / "p2.json", out).read_text())
+    cfg["model"] = {"init": str(init), "dropout": 0.1}
+    (tmp_path / "p2.json").write_text(json.dumps(cfg))
+    assert main(["pretrain", "--config", str(tmp_path / "p2.json")]) == 0
+    straight = load_file(out / "final" / "model.safetensors")
+    for gone in ("step-4", "final"):  # as if killed after step 2's checkpoint
+        shutil.rmtree(out / gone)
+    shutil.rmtree(init)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bertrain"):
+        assert main(["pretrain", "--config", str(tmp_path / "p2.json"), "--resume", "auto"]) == 0
+    assert "is gone; resuming from" in caplog.text and "resumed from" in caplog.text, caplog.text[-2000:]
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # a fresh start has nothing to take the weights from
+    assert main(["pretrain", "--config", str(tmp_path / "p2.json"), "--output_dir", str(tmp_path / "new")]) == 2
+    assert "config key 'model.init'" in capsys.readouterr().err
 
 
 def test_resume_auto_with_only_broken_checkpoints_refuses(finished, capsys):

@@ -520,6 +520,8 @@ def load_pretrained(cls: type[BertPreTrainedModel], path: str | os.PathLike, **k
     if not_heads:
         raise ValueError(f"{source_file}: missing {len(not_heads)} encoder weight(s) for {cls.__name__}: "
                          f"{_short(not_heads)}")
+    if "num_hidden_layers" not in kwargs:  # given, fewer layers are the caller's choice (the first ones are kept)
+        _check_no_extra_layers(unexpected, config.num_hidden_layers, config_file, source_file)
 
     hf = {k: source[k].to(template[k].dtype) for k in template if k in source}
     ours = from_hf_state_dict(hf, config)
@@ -618,6 +620,19 @@ def _check_tied_decoder(raw_config: dict[str, Any], config_file: Path, source_fi
                      "predicts with the word embeddings (as BERT does), so it cannot hold this model's MLM head. "
                      "Its encoder loads for fine-tuning (`bertrain finetune ... --init` this folder) or as a "
                      "BertModel")
+
+
+def _check_no_extra_layers(unexpected: list[str], layers: int, config_file: Path, source_file: str) -> None:
+    """Refuse weights of encoder layers beyond the config's num_hidden_layers: a config.json of a shallower model
+    beside the weights (a copied bert_config.json of another size) would load the first layers only, a different
+    network, with only a warning about the keys left over."""
+    extra = sorted({int(m.group(1)) for k in unexpected
+                    if (m := re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", k)) and int(m.group(1)) >= layers})
+    if extra:
+        raise ValueError(f"{source_file} holds {max(extra) + 1} encoder layers (weights of layer(s) "
+                         f"{', '.join(map(str, extra))}) but {config_file} says num_hidden_layers = {layers}; the "
+                         "weights and config.json do not belong together (to keep only the first layers on purpose, "
+                         f"pass num_hidden_layers={layers} to from_pretrained)")
 
 
 def _check_problem_type(problem_type: Any, num_labels: int, config_file: Path) -> None:

@@ -122,8 +122,9 @@ def _throughput(name: str, summary: dict[str, Any], wall_s: float) -> str:
         return f"{s['tokens_per_s']:,.0f} tokens/s, {s.get('input_mb_per_s', 0):.2f} MB/s ({s.get('num_tokens'):,} tokens)"
     if name == "vocab" and s.get("words"):
         return f"{s['words'] / max(wall_s, 1e-9):,.0f} words/s ({s.get('tokens')} WordPieces)"
-    if name.startswith("finetune") and s.get("train_examples_per_second"):
-        return f"{s['train_examples_per_second']:,.1f} examples/s ({s.get('train_steps')} steps)"
+    if name.startswith(("finetune", "search")) and s.get("train_examples_per_second"):
+        windows = f"{s['train_windows_per_second']:,.1f} windows/s, " if s.get("train_windows_per_second") else ""
+        return f"{s['train_examples_per_second']:,.1f} examples/s ({windows}{s.get('train_steps')} steps)"
     if name.startswith("data-") and s.get("train"):
         return f"{s['train']} train / {s.get('dev')} dev examples"
     return ""
@@ -138,6 +139,8 @@ def _fmt_s(s: float | None) -> str:
 def _fmt(v: float | None, pct: bool) -> str:
     if v is None:
         return "—"
+    if not math.isfinite(v):  # a seed or trial that scored NaN or inf: a mean over it is no number ("nan" before)
+        return "no number"
     return f"{100 * v:.1f}" if pct else f"{v:.1f}"
 
 
@@ -344,7 +347,7 @@ def _verdict_line(task: dict[str, Any], v: dict[str, Any]) -> str:
             line += f" ({100 * v['confidence']:g}% CI {scale * lo:+.1f} to {scale * hi:+.1f}, Welch, {seeds})"
         else:
             line += f" ({seeds})"
-    sides = [f"{init} {scale * mean:.1f}" for init, mean in v["means"].items() if mean is not None]
+    sides = [f"{init} {_fmt(mean, scale == 100.0)}" for init, mean in v["means"].items() if mean is not None]
     chance = ("chance level unknown" if v["chance"] is None
               else f"chance {scale * v['chance']:.1f} ({v['chance_source']})")
     return line + "; " + ", ".join(sides + [chance])

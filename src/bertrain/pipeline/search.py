@@ -5,7 +5,7 @@ A task (`recipe.TaskSection`) may give one search, with dotted `bertrain finetun
 
     search:
       grid:                                # every combination; trial k is the k-th in order (the last key varies
-        optim.lr: [5.0e-5, 3.0e-5, 2.0e-5] # fastest)
+        optim.lr: [5.0e-5, 3.0e-5, 2.0e-5] # fastest; a value added later keeps the started trials' numbers)
         train.epochs: [2, 3, 4]
       pruner: {name: median}               # optional: stop a trial whose dev curve is below the others' median
 
@@ -205,6 +205,22 @@ def grid_points(search: SearchSection) -> list[dict[str, Any]]:
     """Every combination of the grid, in order: the first key varies slowest (trial 1 = every key's first value)."""
     keys = list(search.grid)
     return [dict(zip(keys, values)) for values in itertools.product(*(search.grid[k] for k in keys))]
+
+
+def stable_grid_points(search: SearchSection, started: list[Any]) -> list[dict[str, Any]]:
+    """The grid's trials in order, the trials already started keeping their places: `started[k-1]` is the settings
+    trial k ran (or began) with in an earlier run of the pipeline (None: none). The longest run of those from trial 1
+    that are still grid points keeps its numbers; every other point follows in `grid_points` order. Before, trial k
+    was always the k-th point, so a value added to any key but the first moved the points after it, and finished
+    trials ran again under new numbers (lr [a, b] x epochs [2, 3] plus epochs 4: (b, 2) and (b, 3) ran twice)."""
+    points = grid_points(search)
+    kept: list[dict[str, Any]] = []
+    for params in started:
+        if not isinstance(params, dict) or params not in points or params in kept:
+            break
+        kept.append(params)
+    kept = [next(p for p in points if p == params) for params in kept]  # the recipe's values, not the record's
+    return kept + [p for p in points if p not in kept]
 
 
 MAX_CHECKED_VALUES = 1024

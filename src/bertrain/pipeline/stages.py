@@ -511,7 +511,7 @@ def search_stages(ctx: _TaskContext, init_kind: str, plan_: _SearchPlan) -> list
     k depends on trial k-1: the sampler and the pruner read the earlier trials."""
     task, run = ctx.task, ctx.recipe.run_dir
     seed, n = task.seeds[0], len(plan_.trials)
-    points = search.grid_points(plan_.search) if plan_.search.grid else None
+    points = search.stable_grid_points(plan_.search, _started_params(run, plan_.trials)) if plan_.search.grid else None
     stages = []
     for k, name in enumerate(plan_.trials, start=1):
         folder = run / name
@@ -519,7 +519,7 @@ def search_stages(ctx: _TaskContext, init_kind: str, plan_: _SearchPlan) -> list
         what = f"search trial {k}/{n}: fine-tune {task.name} from {init_kind} weights, seed {seed}"
         trial = functools.partial(_trial_settings, ctx, plan_, init, folder, seed, extra, what)
         resolve = None
-        if points is not None:  # a grid: trial k is the k-th point
+        if points is not None:  # a grid: trial k is the k-th point (those started before keep their numbers)
             cfg, settings, what = trial(points[k - 1])
         else:
             cfg = ctx.config(init, folder, seed)
@@ -532,13 +532,22 @@ def search_stages(ctx: _TaskContext, init_kind: str, plan_: _SearchPlan) -> list
     return stages
 
 
+def _started_params(run: Path, trials: tuple[str, ...]) -> list[Any]:
+    """The settings each trial folder began with in an earlier run of the pipeline (None: not started), so that a
+    value added to the grid keeps the trials already run in their places (`search.stable_grid_points`)."""
+    out = []
+    for name in trials:
+        started = _read_json(run / name / STARTED_FILE) or {}
+        out.append(((started.get("parts") or {}).get("settings") or {}).get("search.params"))
+    return out
+
+
 def _trial_settings(ctx: _TaskContext, plan_: _SearchPlan, init: Path, folder: Path, seed: int,
                     extra: dict[str, Any], what: str, params: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
     """A trial's config, hashed settings and description. What decides its result: its config (the parameters
     in it), the pruner, and the earlier trials the pruner compares with (the stage depends on trial k-1, so on
-    all). Not the rest of the search: appending a value to the grid's first key redoes no finished trial (the
-    first key varies slowest: the new points come last); a value added to any other key moves the later points,
-    and the trials from the first moved one on run again."""
+    all). Not the rest of the search: a value added to the grid redoes no started trial (they keep their numbers,
+    the new points come after them: `search.stable_grid_points`)."""
     cfg = ctx.config(init, folder, seed, params, plan_.params_key)
     settings = {**_settings(cfg, ctx.recipe.run_dir), **extra, "search.params": params,
                 "search.pruner": to_dict(plan_.search.pruner)}
@@ -591,7 +600,7 @@ def _trial_work(kind: str, plan_: _SearchPlan, k: int, stage: Stage, dist: DistI
                  "—" if rec["value"] is None else f"{rec['value']:.4g}", " (pruned)" if rec["pruned"] else "")
 
     on_rank0("record the trial", record, long=True)
-    return _run_summary(results)
+    return _run_summary(results, Path(cfg.output_dir))
 
 
 def _ask_pruner(plan_: _SearchPlan, finished: list[dict[str, Any]], metrics: Path, pruned_file: Path, step: int,
@@ -633,14 +642,37 @@ def _task_data_work(data_dir: Path, stage: Stage, dist: DistInfo) -> dict[str, A
     return stats["examples"]
 
 
-def _run_summary(results: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: results.get(k) for k in ("train_examples_per_second", "train_seconds", "train_steps")} \
-        if results else {}
+def _log_rows(path: Path) -> list[dict[str, Any]]:
+    """The training log records of a metrics.jsonl (none: no file)."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if "seq_per_s" in r]
+
+
+def _run_summary(results: dict[str, Any] | None, out: Path) -> dict[str, Any]:
+    """A fine-tuning stage's throughput for the report: its training rate over every attempt, from metrics.jsonl's
+    log records (a resume keeps them up to its checkpoint) weighted by their time, as `_pretrain_summary`. The
+    engine's train_examples_per_second (the fallback) covers only the last attempt of a resumed run, dev evaluations
+    included; and a SQuAD batch holds windows (features), not examples: the windows per example convert it."""
+    if not results:
+        return {}
+    summary = {k: results.get(k) for k in ("train_examples_per_second", "train_seconds", "train_steps")}
+    rows = _log_rows(out / "metrics.jsonl")
+    rate = _pretrain_summary(out).get("seq_per_s") if rows else None
+    if rate:
+        summary["train_examples_per_second"] = rate
+        summary["train_seconds"] = round(sum(r.get("elapsed_s") or 0.0 for r in rows), 1)  # training only
+    if results.get("train_features") and summary["train_examples_per_second"]:  # SQuAD
+        summary["train_windows_per_second"] = summary["train_examples_per_second"]
+        summary["train_examples_per_second"] *= results["train_examples"] / results["train_features"]
+    return summary
 
 
 def _finetune_work(kind: str, stage: Stage, dist: DistInfo) -> dict[str, Any]:
     with _stage_stop(stage):
-        return _run_summary((run_squad if kind == "squad" else run_glue)(stage.config, **RESUME))
+        results = (run_squad if kind == "squad" else run_glue)(stage.config, **RESUME)
+    return _run_summary(results, Path(stage.config.output_dir))  # the engine returns {} on ranks other than 0
 
 
 @contextlib.contextmanager
@@ -919,7 +951,8 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
     group = check_settings(recipe, stages)
     decisions: dict[str, Decision] = {}
     by_name = {s.name: s for s in stages}
-    with distributed_context(group) as dist, pipeline_folder(run_dir, dist, overwrite) as run_id, \
+    sharded = any(cfg.parallelism.strategy == "fsdp" for s in stages if s.parallel for cfg in (s.config, *s.variants))
+    with distributed_context(group, sharded) as dist, pipeline_folder(run_dir, dist, overwrite) as run_id, \
             pipeline_parent(run_id, lambda: [s.config for s in stages if s.config is not None], dist.is_main):
         # the stages' MLflow parent is this run folder's (run.json), ended with the command (train/trackers.py)
         if dist.is_main:

@@ -417,10 +417,11 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     fcfg = SquadFeatureConfig(d.max_seq_length, d.doc_stride, d.max_query_length)
     v2 = d.version_2_with_negative
     check_length_fits_model(cfg.init, d.max_seq_length)
-    with distributed_context(cfg.distributed) as dist, \
+    with distributed_context(cfg.distributed, sharded=cfg.parallelism.strategy == "fsdp") as dist, \
             run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite,
                        {"init": cfg.init, "data.train_file": d.train_file if cfg.do_train else "",
-                        "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS), \
+                        "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS,
+                       cfg=cfg), \
             contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init),
                                   "data.train_file": d.train_file if cfg.do_train else "",
@@ -551,9 +552,9 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     d = cfg.data
     task = get_task(d.task)
     check_length_fits_model(cfg.init, d.max_seq_length)
-    with distributed_context(cfg.distributed) as dist, \
+    with distributed_context(cfg.distributed, sharded=cfg.parallelism.strategy == "fsdp") as dist, \
             run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite,
-                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS), \
+                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS, cfg=cfg), \
             contextlib.ExitStack() as after_fit:
         same_paths_on_every_rank({"init": model_dir_or_name(cfg.init), "data.data_dir": d.data_dir})
         out_dir = _start(cfg, dist)
@@ -561,7 +562,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
         results: dict[str, Any] = {"task": task.name, "init": cfg.init, "max_seq_length": d.max_seq_length}
         # Every split is read (and checked) before any training: a bad dev or test file is found in seconds.
         train_split = read_split(d.data_dir, task, "train") if cfg.do_train else []
-        dev_splits = read_split(d.data_dir, task, "dev") if cfg.do_eval else []
+        dev_splits = read_split(d.data_dir, task, "dev", scored=True) if cfg.do_eval else []
         test_splits, diagnostic = None, None
         if d.predict_test:
             if has_split(d.data_dir, task, "test"):  # TSV, the Hub's Parquet or a datasets folder

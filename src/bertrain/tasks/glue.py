@@ -294,9 +294,11 @@ def has_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> bool:
     return all(hub_split_files(d, s) for s in hub)
 
 
-def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[tuple[str, list[GlueExample]]]:
+def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str,
+               scored: bool = False) -> list[tuple[str, list[GlueExample]]]:
     """[(split name, examples)] for 'train', 'dev' (two for MNLI: matched and mismatched) or 'test', from the
-    layout `glue_layout` finds in `data_dir`: the same examples from each layout of the same rows."""
+    layout `glue_layout` finds in `data_dir`: the same examples from each layout of the same rows. `scored`: the
+    split is to be scored by the task's metrics (`check_scorable`)."""
     layout, d = glue_layout(data_dir, task)
     out = []
     for name, fn, tsv_layout in _split_files(task, split):
@@ -305,7 +307,7 @@ def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[
             if not (d / fn).is_file():
                 raise ValueError(f"{task.name}: data file {d / fn} does not exist (nor the Hub's layout in {d}: "
                                  f"{hub}-*.parquet files or a `datasets` folder with a {hub!r} split)")
-            out.append((name, read_glue_tsv(d / fn, task, tsv_layout)))
+            out.append((name, check_scorable(read_glue_tsv(d / fn, task, tsv_layout), task, scored, d / fn)))
             continue
         if layout == "datasets":
             files, fmt = split_files(d, hub), "arrow"
@@ -314,8 +316,18 @@ def read_split(data_dir: str | os.PathLike, task: GlueTask, split: str) -> list[
             if not files:
                 raise ValueError(f"{task.name}: {d} has no {hub}-*.parquet file (the Hub's {split} split); its "
                                  f"Parquet files are of the splits {', '.join(hub_splits(d))}")
-        out.append((name, read_glue_table(files, fmt, task, labelled=tsv_layout.label is not None)))
+        examples = read_glue_table(files, fmt, task, labelled=tsv_layout.label is not None)
+        out.append((name, check_scorable(examples, task, scored, ", ".join(map(str, files)))))
     return out
+
+
+def check_scorable(examples: list[GlueExample], task: GlueTask, scored: bool, where: object) -> list[GlueExample]:
+    """`examples`, refused where a split to be `scored` cannot be: STS-B's Pearson and Spearman correlations need
+    two examples (scipy's error on one named neither the file nor the task, and came after the training)."""
+    if scored and task.is_regression and len(examples) < 2:
+        raise ValueError(f"{where}: {len(examples)} example to score; {task.name}'s Pearson and Spearman "
+                         "correlations need at least 2: give the whole dev split")
+    return examples
 
 
 def read_glue_table(files: list[Path], fmt: str, task: GlueTask, labelled: bool) -> list[GlueExample]:
@@ -426,12 +438,16 @@ def label_strings(task: GlueTask, preds: np.ndarray) -> list[str]:
 
 def write_dev_predictions(path: str | os.PathLike, task: GlueTask, examples: list[GlueExample],
                           preds: np.ndarray) -> None:
-    """`index<TAB>prediction<TAB>label<TAB>text_a[<TAB>text_b]` for each dev example (atomic write)."""
+    """`index<TAB>prediction<TAB>label<TAB>text_a[<TAB>text_b]` for each dev example (atomic write). STS-B's
+    predictions are the scores the metrics saw, unclipped, to float32 precision: the submission's clipped 3-decimal
+    strings gave a Pearson computed from this file far from eval_results.json's (0.17 against 0.08 where the
+    scores were close together, as early in training)."""
     if len(examples) != len(preds):
         raise ValueError(f"{len(preds)} predictions for {len(examples)} dev examples")
     clean = lambda t: (t or "").replace("\t", " ").replace("\n", " ")  # noqa: E731 (keep the TSV one line each)
     lines = ["index\tprediction\tlabel\ttext_a\ttext_b"]
-    for ex, s in zip(examples, label_strings(task, preds)):
+    shown = [f"{float(p):.9g}" for p in preds] if task.is_regression else label_strings(task, preds)
+    for ex, s in zip(examples, shown):
         lines.append(f"{ex.index}\t{s}\t{ex.label}\t{clean(ex.text_a)}\t{clean(ex.text_b)}")
     atomic_write_text(path, "\n".join(lines) + "\n")
 

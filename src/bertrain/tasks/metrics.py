@@ -337,6 +337,9 @@ def acc_and_f1(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
 def pearson_and_spearman(preds: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
+    if len(preds) != len(labels) or len(preds) < 2:  # scipy's own error names neither the task nor the counts
+        raise ValueError(f"Pearson and Spearman correlations need as many predictions as labels, at least 2: got "
+                         f"{len(preds)} predictions for {len(labels)} labels")
     pearson = float(pearsonr(preds, labels)[0])
     spearman = float(spearmanr(preds, labels)[0])
     return {"pearson": pearson, "spearmanr": spearman, "corr": (pearson + spearman) / 2}

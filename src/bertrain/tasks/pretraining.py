@@ -33,15 +33,14 @@ from bertrain.data.store import heldout_status
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.hf import (config_from_json_file, model_dir_or_name, read_tokenizer_files, resolve_model_dir,
-                              tokenizer_files_from_vocab)
+from bertrain.model.hf import (config_from_json_file, find_config_file, model_dir_or_name, read_tokenizer_files,
+                              resolve_model_dir, tokenizer_files_from_vocab)
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
-from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive, resolve_batch
+from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
 from bertrain.train.distributed import (DistInfo, all_reduce_sum, distributed_context, on_rank0,
                                        same_paths_on_every_rank)
 from bertrain.train.metrics import plot_metrics
-from bertrain.train.parallel import ParallelDims
 from bertrain.train.precision import Precision
 from bertrain.train.resume import run_folder
 from bertrain.train.trainer import RunResult, Trainer, to_device, trim_padding
@@ -422,22 +421,21 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
     """Pretrain BERT as configured; `resume` is None, "auto" (newest complete checkpoint) or a checkpoint path;
     `overwrite` moves another run's folder aside; `allow_config_change` applies run-changing keys on resume."""
     out = Path(cfg.output_dir)
+    given, cfg = cfg, built_on_resume(cfg, resume)  # `given` is what the checkpoints' config.yaml is compared with
     check_model_fits_samples(cfg)
     check_init_casing(cfg)
     d, m = cfg.data, cfg.model
     reads = {"data.prepared": d.prepared if d.source == "prepared" else "", "data.vocab_file": d.vocab_file or "",
              "model.init": m.init or "", "model.preset": m.preset if m.preset.endswith(".json") else "",
              "optim.init_state": (cfg.optim.init_state or "") if resume is None else ""}  # a resume has its own
-    with distributed_context(cfg.distributed) as dist, \
-            run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",)), \
+    with distributed_context(cfg.distributed, sharded=cfg.parallelism.strategy == "fsdp") as dist, \
+            run_folder(out, "pretrain", dist, resume, overwrite, reads, models=("model.init",), cfg=cfg), \
             contextlib.ExitStack() as after_fit:
+        # (run_folder checked the batch plan and the parallel layout before a raw corpus is turned into a
+        # vocabulary and a token store: refused after them, hours were lost on a dump)
         same_paths_on_every_rank(input_paths(cfg))
-        # the batch plan and the parallel layout at this world size (Trainer.fit checks them again), before a raw
-        # corpus is turned into a vocabulary and a token store: refused after them, hours were lost on a dump
-        resolve_batch(cfg.train, dist.world_size)
-        ParallelDims.from_config(cfg, dist.world_size)
         task = PretrainingTask(cfg, resolve_data(cfg, dist))
-        run = Trainer(cfg, dist).fit(task, resume, allow_config_change)
+        run = Trainer(given, dist).fit(task, resume, allow_config_change)
         result = PretrainResult(run, out)
         if not run.stopped_by_signal:
             after_fit.enter_context(run.closing_on_error())
@@ -446,6 +444,33 @@ def run_pretraining(cfg: PretrainConfig, resume: str | None = None, overwrite: b
                        "evaluation": run.evaluation}
             run.finish(results, result.final_dir, out / "metrics.png")
         return result
+
+
+def built_on_resume(cfg: PretrainConfig, resume: str | None) -> PretrainConfig:
+    """The config the model is built from: `cfg`, unless a resume's `model.init` is gone. Phase 2 starts from phase
+    1's final/ (model.init), but its own checkpoints hold every weight and OUTPUT/vocab the vocabulary: continuing
+    needs only the architecture, the checkpoint's config.json. Before, moving or deleting phase 1's folder (to free
+    disk) left phase 2 unresumable ("config key 'model.init': ... does not exist"). Where there is no checkpoint to
+    resume, the usual error names model.init."""
+    m, out = cfg.model, Path(cfg.output_dir)
+    if not resume or not m.init:
+        return cfg
+    try:
+        find_config_file(resolve_model_dir(m.init))
+        return cfg
+    except ValueError:  # UserError too: a Hub id that is not in the cache
+        pass
+    # any of the run's checkpoints gives the architecture (a run keeps its shape); the resume verifies its own
+    candidates = [p for _, p in ckpt.list_checkpoints(out)] if resume == "auto" else [Path(resume)]
+    found = next((p for p in reversed(candidates) if (p / "config.json").is_file()), None)
+    if found is None:
+        return cfg
+    log.warning("config key 'model.init': %s is gone; resuming from %s, whose config.json gives the architecture "
+                "(the weights come from the checkpoint, as on any resume)", m.init, found)
+    d, vocab = cfg.data, out / "vocab" / "vocab.txt"
+    if d.source == "raw" and not d.vocab_file and vocab.is_file():  # the copy of model.init's vocab.txt made at start
+        d = dataclasses.replace(d, vocab_file=str(vocab))
+    return dataclasses.replace(cfg, data=d, model=dataclasses.replace(m, init="", preset=str(found / "config.json")))
 
 
 def input_paths(cfg: PretrainConfig) -> dict[str, str]:

@@ -294,13 +294,15 @@ def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadF
         c_enc = c_encs[ctx_index[ex.context]]
         c_ids, c_off = c_enc.ids, c_enc.offsets
         if not c_ids:
-            raise ValueError(f"question id {ex.qid}: the context has no tokens")
+            raise ValueError(f"question id {ex.qid}: the context has no tokens (only characters the tokenizer "
+                             "drops: control or zero-width characters): fix or remove its paragraph")
         tok_start = tok_end = -1
         if is_training and not ex.is_impossible:
             a = ex.answers[0]
             tok_start, tok_end = answer_token_span(c_off, a["answer_start"], a["answer_start"] + len(a["text"]))
             if tok_start < 0:
-                raise ValueError(f"question id {ex.qid}: the answer {a['text']!r} covers no token of the context")
+                raise ValueError(f"question id {ex.qid}: the answer {a['text']!r} covers no token of the context "
+                                 "(only characters the tokenizer drops): fix or remove the question")
 
         max_doc = L - len(q_ids) - 3
         spans: list[tuple[int, int]] = []
@@ -347,6 +349,16 @@ def _data_sha256(path: str | os.PathLike) -> str:
     return hashlib.sha256(json.dumps([[f.name, file_sha256(f)] for f in files]).encode()).hexdigest()
 
 
+def _build_features_of(data_file: str | os.PathLike, examples: list[SquadExample], tok: TaskTokenizer,
+                       cfg: SquadFeatureConfig, is_training: bool) -> SquadFeatures:
+    """`build_features`, its errors (a context or an answer of characters the tokenizer drops) naming the file:
+    they name only the question id, and a run reads two files (--train, --dev)."""
+    try:
+        return build_features(examples, tok, cfg, is_training)
+    except ValueError as e:
+        raise ValueError(f"{data_file}: {e}") from None
+
+
 def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExample], tok: TaskTokenizer,
                            cfg: SquadFeatureConfig, is_training: bool,
                            cache_dir: str | os.PathLike | None = None) -> tuple[SquadFeatures, Path | None]:
@@ -356,7 +368,7 @@ def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExa
     `cache_dir=""` disables caching.
     """
     if cache_dir == "":
-        return build_features(examples, tok, cfg, is_training), None
+        return _build_features_of(data_file, examples, tok, cfg, is_training), None
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = hashlib.sha256(json.dumps({
         "data": _data_sha256(data_file), "tokenizer": tok.identity, "max_seq_length": cfg.max_seq_length,
@@ -373,7 +385,7 @@ def load_or_build_features(data_file: str | os.PathLike, examples: list[SquadExa
                 return feats, path
         except (OSError, ValueError, KeyError) as e:  # corrupt cache: rebuild rather than fail
             log.warning("ignoring unreadable feature cache %s (%s)", path, e)
-    feats = build_features(examples, tok, cfg, is_training)
+    feats = _build_features_of(data_file, examples, tok, cfg, is_training)
     buf = io.BytesIO()
     np.savez(buf, **feats)
     atomic_write_bytes(path, buf.getvalue())

@@ -93,7 +93,7 @@ class ScheduleConfig:
     """LR schedule after warmup: linear decay, poly (NVIDIA's PolyWarmUpScheduler: (1 - step/total)^power over all
     steps, so the LR drops at the end of warmup), cosine, warmup_exp_decay_exp (DeepSpeed), constant."""
     warmup: float = 0.01
-    """Warmup length: a fraction of the total steps if < 1, else a number of steps."""
+    """Warmup length: a fraction of the total steps if < 1, else a whole number of steps."""
     power: float = 0.5
     """poly: decay exponent (NVIDIA uses 0.5)."""
     min_lr_ratio: float = 0.0
@@ -114,8 +114,14 @@ class ScheduleConfig:
             lambda: check_positive("schedule.power", self.power),
             lambda: check_positive("schedule.decay_steps", self.decay_steps),
             lambda: check_positive("schedule.warmup_power", self.warmup_power),
-            self._check_ratios, self._check_on_time,
+            self._check_warmup_steps, self._check_ratios, self._check_on_time,
         ])
+
+    def _check_warmup_steps(self) -> None:
+        # 1 and above is a step count (warmup_steps): inf crashed there, 2.5 became 2 steps without a word
+        if self.warmup >= 1 and not (math.isfinite(self.warmup) and self.warmup == int(self.warmup)):
+            raise ValueError(f"config key 'schedule.warmup' ({self.warmup:g}) must be a fraction (< 1) of the steps "
+                             "or a whole number of steps")
 
     def _check_on_time(self) -> None:
         # here, not only when the scheduler is built: that comes after the data are prepared (hours, for pretraining)
@@ -134,12 +140,16 @@ class ScheduleConfig:
         return int(round(self.warmup * total_steps)) if self.warmup < 1 else int(self.warmup)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32 (torch.finfo(torch.float32).max): the largest loss scale GradScaler can hold."""
+
+
 @dataclass
 class PrecisionConfig:
     mode: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     """Numerics: fp32, tf32 matmuls (Ampere+), bf16 autocast, fp16 autocast with dynamic loss scaling."""
     initial_loss_scale: float = 65536.0
-    """fp16: starting loss scale."""
+    """fp16: starting loss scale (a float32 number)."""
     min_loss_scale: float = 1.0
     """fp16: a scale below this with repeated overflows means the run has collapsed."""
     max_consecutive_skips: int = 20
@@ -153,7 +163,15 @@ class PrecisionConfig:
             lambda: check_positive("precision.min_loss_scale", self.min_loss_scale, allow_zero=True),
             lambda: check_positive("precision.max_consecutive_skips", self.max_consecutive_skips),
             lambda: check_positive("precision.growth_interval", self.growth_interval),
+            self._check_scale,
         ])
+
+    def _check_scale(self) -> None:
+        # GradScaler holds the scale in float32: inf skipped every step (inf x loss), above it failed at the first
+        # backward pass with a traceback
+        if isinstance(self.initial_loss_scale, (int, float)) and not self.initial_loss_scale <= FLOAT32_MAX:
+            raise ValueError(f"config key 'precision.initial_loss_scale' must be a float32 number (<= "
+                             f"{FLOAT32_MAX:.4g}; 65536 is the usual start), got {self.initial_loss_scale!r}")
 
 
 @dataclass

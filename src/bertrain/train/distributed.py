@@ -43,12 +43,14 @@ class DistInfo:
     backend: str | None = None
 
 
-def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
+def init_distributed(cfg: DistributedConfig | None = None, sharded: bool = False) -> DistInfo:
     """Join the process group of the launcher (if any), pin this rank to its local GPU, and describe the result.
 
     gloo on CPU, nccl on GPU (unless `cfg.backend` says otherwise). At world size 1 no group is created, unless a
-    launcher started the process and `cfg.backend` names one: then a one-rank group of that backend (NCCL's code
-    paths on a single GPU, as a multi-GPU job would take them).
+    launcher started the process and `cfg.backend` names one (NCCL's code paths on a single GPU, as a multi-GPU job
+    would take them) or the run is `sharded` (parallelism.strategy fsdp): then a one-rank group. An elastic FSDP job
+    that lost all nodes but one thus resumes its sharded checkpoint on the survivor, as a DDP job does, instead of
+    failing at every restart for want of ranks to shard across.
     """
     cfg = cfg or DistributedConfig()
     layout = launch_env()
@@ -66,7 +68,7 @@ def init_distributed(cfg: DistributedConfig | None = None) -> DistInfo:
     me = {"pid": os.getpid(), "host": socket.gethostname(), "local_rank": local, "device": str(device),
           "launcher": layout.launcher if layout else None, "software": software_versions(),
           "gpu": gpu_identity(device.index) if device.type == "cuda" else None}
-    one_rank_group = layout is not None and cfg.backend != "auto"
+    one_rank_group = layout is not None and (cfg.backend != "auto" or sharded)
     if (world > 1 or one_rank_group) and not torch_dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
         if backend == "nccl" and not use_cuda:
@@ -458,13 +460,13 @@ def cleanup() -> None:
 
 
 @contextlib.contextmanager
-def distributed_context(cfg: DistributedConfig | None = None) -> Iterator[DistInfo]:
+def distributed_context(cfg: DistributedConfig | None = None, sharded: bool = False) -> Iterator[DistInfo]:
     """`init_distributed` and always `cleanup`, even on errors — unless the process group was there already: then
     an outer context owns it (`bertrain run` holds one group for all its stages; re-creating it per stage would let a
     fast rank reach rank 0's old rendezvous store before rank 0 has closed it)."""
     owner = not (torch_dist.is_available() and torch_dist.is_initialized())
     try:
-        yield init_distributed(cfg)
+        yield init_distributed(cfg, sharded)
     except BaseException as e:
         if owner and is_distributed():
             keep_until_exit(e)

@@ -90,9 +90,15 @@ class EvalHistory:
             return f"{metric} {value:.4g} reached the target eval.target = {cfg.target:g}"
         if cfg.patience and self.since_best >= cfg.patience:
             return (f"early stopping: {self.since_best} evaluations without an improvement of {metric} by more "
-                    f"than eval.min_delta = {cfg.min_delta:g} (eval.patience = {cfg.patience}; best "
-                    f"{self.best_value:.4g} at step {self.best_step})")
+                    f"than eval.min_delta = {cfg.min_delta:g} (eval.patience = {cfg.patience}; {self.best_text()})")
         return None
+
+    def best_text(self) -> str:
+        """`best 0.8123 at step 40`, or why there is none: every evaluation so far scored NaN or inf (e.g. the
+        Pearson correlation of constant predictions), which formatting the missing best as a number crashed on."""
+        if self.best_value is None:
+            return "no best yet: every evaluation so far scored NaN or inf"
+        return f"best {self.best_value:.4g} at step {self.best_step}"
 
     def recheck_stop(self, metric: str, cfg: EvalConfig) -> None:
         """On resume from the checkpoint of an early stop: the decision again, from the last evaluation, under
@@ -158,9 +164,9 @@ class Evaluator:
         record = {"step": step, "epoch": epoch, "event": "eval", "metrics": metrics, "metric": self.metric,
                   "value": value, "improved": improved, "best_step": self.history.best_step,
                   "best_value": self.history.best_value, "eval_s": round(time.perf_counter() - t0, 3)}
-        log.info("eval at step %d: %s (%s: best %.4g at step %d)%s", step,
-                 " ".join(f"{k} {v:.4g}" for k, v in metrics.items()), self.metric, self.history.best_value,
-                 self.history.best_step, f"; {self.history.stop_reason}" if self.history.stop_reason else "")
+        log.info("eval at step %d: %s (%s: %s)%s", step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
+                 self.metric, self.history.best_text(),
+                 f"; {self.history.stop_reason}" if self.history.stop_reason else "")
         return record
 
     def save_best(self, model: nn.Module, step: int) -> None:

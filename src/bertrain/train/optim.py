@@ -139,9 +139,11 @@ class Lamb(torch.optim.Optimizer):
 
     @staticmethod
     def _trust_ratio(group: dict, w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
-        """||w|| / ||update||, 1 where either norm is 0, clamped as DeepSpeed does (elementwise over tensors)."""
-        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
-        return ratio.clamp(group["min_trust_ratio"], group["max_trust_ratio"])
+        """||w|| / ||update|| clamped as DeepSpeed does, 1 where either norm is 0 (elementwise over tensors). The
+        fallback is not clamped (DeepSpeed's `lamb_coeff = 1.0` outside its `if`): with max_trust_ratio < 1 a
+        zero-initialised bias would otherwise take its first step scaled by the clamp."""
+        ratio = (w_norm / u_norm.clamp_min(1e-30)).clamp(group["min_trust_ratio"], group["max_trust_ratio"])
+        return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(w_norm))
 
     def _adaptive(self, group: dict) -> bool:
         """Whether the group's steps are scaled by trust ratios: always for LAMB (the paper, DeepSpeed), only with

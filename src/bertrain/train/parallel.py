@@ -41,8 +41,8 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     one_rank: bool = False
-    """fsdp on a one-rank process group (launched with a named `distributed.backend`): nothing is split, but every
-    FSDP2 code path runs (mixed-precision gathers, sharded optimizer state, DCP checkpoints), e.g. on one GPU."""
+    """fsdp on a one-rank process group (a launcher's one-rank job, e.g. an elastic job shrunk to one node): nothing
+    is split, but every FSDP2 code path runs (mixed-precision gathers, sharded optimizer state, DCP checkpoints), e.g. on one GPU."""
 
     @property
     def world_size(self) -> int:
@@ -61,8 +61,8 @@ class ParallelDims:
         one_rank = fsdp and world_size == 1 and is_distributed()
         if fsdp and world_size < 2 and not one_rank:
             errors.append("config key 'parallelism.strategy' is fsdp but the job has 1 rank: there is nothing to "
-                          "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N; one rank "
-                          "runs FSDP2 when launched with a named distributed.backend)")
+                          "shard across; use ddp, or launch 2 or more ranks (torchrun --nproc-per-node N; a "
+                          "launcher's one-rank job runs FSDP2 on one rank)")
         compression = cfg.distributed.grad_compression
         if fsdp and compression != "none":
             errors.append(f"config key 'distributed.grad_compression' ({compression}) is a DDP allreduce hook; "

@@ -96,10 +96,13 @@ class Precision:
             return True
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
+        # the inf/NaN flags GradScaler skipped (or, for a fused optimizer, made skip) optimizer.step() on, read
+        # before update() clears them. Not "the scale went down": a scale of 0 (min_loss_scale 0) or inf halves to
+        # itself, and those skipped steps were counted as taken (the schedule advanced, the run "finished").
+        found_inf = self.scaler._found_inf_per_device(optimizer)
+        stepped = not any(bool(flag.item()) for flag in found_inf.values())
         self.scaler.update()
         after = self.scaler.get_scale()
-        # GradScaler lowers the scale exactly when it found inf/NaN and skipped optimizer.step()
-        stepped = not after < before
         if stepped:
             self.consecutive_skips = 0
             return True

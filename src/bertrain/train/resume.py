@@ -97,15 +97,23 @@ def resume_on_restart(resume: str | None, overwrite: bool,
 @contextlib.contextmanager
 def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | None, overwrite: bool,
                inputs: Mapping[str, str] | None = None, models: Collection[str] = (),
-               flags: Mapping[str, str] | None = None) -> Iterator[None]:
+               flags: Mapping[str, str] | None = None, cfg: TrainerConfig | None = None) -> Iterator[None]:
     """Hold the output folder for this run (see the module docstring), after checking its `inputs` (config key ->
     path; `models`: the keys that name a model folder or Hub id; `flags`: a key's command-line flag, named in the
-    errors) with `check_inputs`."""
+    errors) with `check_inputs`, and `cfg`'s batch plan and parallel layout at this world size (`Trainer.fit`
+    checks them again): a strategy that does not fit the job was refused only after `--overwrite` had moved the
+    finished run aside."""
+    from bertrain.train.config import resolve_batch
+    from bertrain.train.parallel import ParallelDims  # FSDP2's imports only when a run starts
+
     with contextlib.ExitStack() as held:  # releases the lock on every way out
 
         def claim() -> str:
             held.enter_context(OutputLock(output_dir, command))
             check_inputs(output_dir, inputs or {}, models, overwrite, flags or {})
+            if cfg is not None:
+                resolve_batch(cfg.train, dist.world_size)
+                ParallelDims.from_config(cfg, dist.world_size)
             return claim_run_folder(output_dir, command, resume, overwrite)["run_id"]
 
         run_id = on_rank0(f"use the output folder {output_dir}", claim)
