@@ -84,6 +84,9 @@ def test_eval_settings_that_cannot_work_are_refused_naming_the_key() -> None:
         EvalConfig(max_samples=0)
     with pytest.raises(ValueError, match="eval.patience and eval.target need evaluations"):
         EvalConfig(enabled=False, target=0.5)
+    for never in (float("nan"), float("inf")):  # never reached: the run went on to its end without a word
+        with pytest.raises(ValueError, match="config key 'eval.target' .* must be a finite number"):
+            EvalConfig(target=never)
 
 
 # ----------------------------------------------------------------------------------------------- pretraining

@@ -448,3 +448,19 @@ def test_fp16_skips_the_same_bad_step_and_trains_on(tmp_path, monkeypatch, capsy
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 8 and records[-1]["skipped_steps"] == 1
     assert all(torch.isfinite(w).all() for w in load_file(out / "final" / "model.safetensors").values())
+
+
+def test_export_of_a_run_folder_takes_what_the_run_ended_on(finished, tmp_path, capsys):
+    """`bertrain export RUN`: its final/ (under eval.final best the best model; before, always the newest step-N,
+    so a fine-tuned run deployed its last step), unless a step-N is newer (resumed, not finished again)."""
+    from bertrain.commands.export import resolve_checkpoint
+
+    _, out = finished
+    assert resolve_checkpoint(out) == out / "final"
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 0
+    assert f"exported {out / 'final'} -> " in capsys.readouterr().out
+    later = (out / "final").stat().st_mtime + 10
+    os.utime(out / "step-4", (later, later))  # as a resume writes step-N after the earlier final/
+    assert resolve_checkpoint(out) == out / "step-4"
+    shutil.rmtree(out / "final")
+    assert resolve_checkpoint(out) == out / "step-4"

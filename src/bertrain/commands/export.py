@@ -5,6 +5,7 @@ graph verified against PyTorch (`bertrain.deploy.onnx_export`), optionally laid 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,16 +14,19 @@ from typing import Iterator
 from bertrain.commands.convert import _occupied, add_overwrite_argument, check_out_dir, write_model_folder
 from bertrain.utils.errors import UserError
 
+log = logging.getLogger(__name__)
+
 TASK_FILE = "task.json"  # bertrain.deploy.predict.TASK_FILE: what predict and serve read beside a fine-tuned model
 
-HELP = ("export a bertrain checkpoint (or run folder: its latest checkpoint) as a clean Hugging Face model folder "
-        "with a model card, or as ONNX (--format onnx)")
+HELP = ("export a bertrain checkpoint (or run folder: its final/, else its newest checkpoint) as a clean Hugging Face "
+        "model folder with a model card, or as ONNX (--format onnx)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
-                        help="a checkpoint folder (step-N), a model folder (e.g. a run's final/), a run folder holding "
-                             "step-N folders, or a Hub model id (ORG/NAME) in the local Hugging Face cache")
+                        help="a checkpoint folder (step-N), a model folder (e.g. a run's final/), a run folder (its "
+                             "final/, the best model under eval.final best; else its newest step-N), or a Hub model "
+                             "id (ORG/NAME) in the local Hugging Face cache")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model folder")
     parser.add_argument("--format", choices=["hf", "onnx"], default="hf",
                         help="hf: an HF model folder; onnx: model.onnx (dynamic batch and sequence axes) + tokenizer "
@@ -44,15 +48,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A model or checkpoint folder as is; a run folder -> its newest complete step-N checkpoint, of either kind
-    (HF weights, or DCP shards after FSDP: a run may hold both when it changed strategy on resume)."""
+    """A model or checkpoint folder as is; a run folder -> what the run ended on, its final/ (under eval.final best
+    the best model, which the newest step-N is not: exporting a fine-tuned run deployed its last step), unless a
+    step-N is newer (a resumed run that has not finished again); else its newest complete step-N checkpoint, of
+    either kind (HF weights, or DCP shards after FSDP: a run may hold both when it changed strategy on resume)."""
     if (path / "config.json").is_file() or (path / "dcp").is_dir() or not path.is_dir():
         return path
     steps = [p for p in path.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / "COMPLETE").exists()
              and ((p / "config.json").is_file() or (p / "dcp").is_dir())]
-    if not steps:
-        return path  # from_pretrained names what is missing
-    return max(steps, key=lambda p: int(p.name.split("-")[1]))
+    newest = max(steps, key=lambda p: int(p.name.split("-")[1])) if steps else None
+    final = path / "final"
+    if (final / "config.json").is_file() and (newest is None or final.stat().st_mtime >= newest.stat().st_mtime):
+        log.info("%s: its final/ (what the run ended on; name %s/step-N for a checkpoint)", path, path)
+        return final
+    if newest is not None:
+        log.info("%s: its newest complete checkpoint, %s", path, newest.name)
+    return newest or path  # without one, from_pretrained names what is missing
 
 
 def load_model(src: Path):

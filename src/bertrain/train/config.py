@@ -292,8 +292,14 @@ class EvalConfig:
             lambda: check_positive("eval.max_samples", self.max_samples),
             lambda: check_positive("eval.patience", self.patience, allow_zero=True),
             lambda: check_positive("eval.min_delta", self.min_delta, allow_zero=True),
-            self._check_enabled,
+            self._check_enabled, self._check_target,
         ])
+
+    def _check_target(self) -> None:
+        # NaN is never reached (every comparison is false) and inf never either: the run went on to its end silently
+        if self.target is not None and not math.isfinite(self.target):
+            raise ValueError(f"config key 'eval.target' ({self.target}) must be a finite number, the value of the "
+                             "selection metric (eval.metric) to stop at")
 
     def _check_enabled(self) -> None:
         if not self.enabled and (self.patience or self.target is not None):
