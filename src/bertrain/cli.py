@@ -40,9 +40,9 @@ log = logging.getLogger("bertrain")
 # heavy: only the chosen command's module is imported (importing torch takes seconds and much memory).
 COMMANDS = {
     "run": "run a recipe end to end: vocab, prepare, pretrain phase 1/2, fine-tune, evaluate, report (resumable)",
-    "info": "show a model config (preset, HF folder or checkpoint): sizes, parameter counts",
-    "convert": "import an HF/Google BERT folder into a clean bertrain model folder",
-    "export": "export a bertrain checkpoint or model folder in HF format",
+    "info": "show a model config (preset, model folder or checkpoint): sizes, parameter counts; a run folder's state",
+    "convert": "import an HF, Google TF or NVIDIA BERT checkpoint into a clean bertrain model folder",
+    "export": "export a bertrain checkpoint or model folder in HF format, or as ONNX",
     "vocab": "train a WordPiece vocabulary on a corpus",
     "prepare": "turn raw corpora into a sharded token store and MLM+NSP samples",
     "inspect": "print samples and statistics of a prepared data folder",

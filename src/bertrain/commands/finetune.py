@@ -18,7 +18,8 @@ _SQUAD_FLAGS = {
 }
 _GLUE_FLAGS = {
     "--task": ("data.task", "cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte or wnli"),
-    "--data-dir": ("data.data_dir", "the task's GLUE folder (train.tsv, dev.tsv, test.tsv)"),
+    "--data-dir": ("data.data_dir", "the task's GLUE folder (train.tsv, dev.tsv, test.tsv; or the Hub's Parquet "
+                                    "files, or a `datasets` save_to_disk folder)"),
 }
 _COMMON_FLAGS = {
     "--output": ("output_dir", "output folder"),

@@ -78,7 +78,8 @@ class FinetuneConfig(TrainerConfig):
     """The engine's sections with fine-tuning defaults, plus the model to start from and evaluation."""
 
     init: str = ""
-    """The model to fine-tune: an HF-format folder or a bertrain checkpoint folder (weights + vocab.txt)."""
+    """The model to fine-tune: an HF-format or bertrain model/checkpoint folder (weights + vocab.txt), a Google TF or
+    NVIDIA checkpoint folder, or a Hub model id in the local Hugging Face cache."""
     do_train: bool = True
     """Fine-tune (false: only evaluate the --init model)."""
     do_eval: bool = True
