@@ -338,6 +338,30 @@ def test_glue_finetune_writes_dev_predictions_and_label_names(tmp_path, capsys):
     assert json.loads((out / "final" / "task.json").read_text())["kind"] == "classification"
 
 
+@pytest.mark.parametrize("kind", ["glue", "squad"])
+def test_a_finetuning_resumes_after_its_init_folder_is_gone(kind, tmp_path, caplog):
+    """The pretrained model (--init) moved or deleted while a fine-tuning was cut after a checkpoint: the resume
+    builds the model from its own checkpoint and ends bitwise as the straight run (before: "config key 'init'
+    (--init): … not a folder", the fine-tuning could not continue)."""
+    from helpers import finetune_data
+
+    init = save_tiny_model(tmp_path / "model", 0.1)
+    out = tmp_path / "ft"
+    argv = finetune_argv(kind, finetune_data(kind, tmp_path / "data"), init, out, 4,
+                         "--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0")
+    assert main(argv) == 0
+    straight = load_file(out / "final" / "model.safetensors")
+    for gone in ("step-4", "final"):  # as if killed after step 2's checkpoint
+        shutil.rmtree(out / gone)
+    shutil.rmtree(init)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bertrain"):
+        assert main([*argv, "--resume", "auto"]) == 0
+    assert "is gone; resuming from" in caplog.text and "resumed from" in caplog.text, caplog.text[-2000:]
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_a_bad_test_file_is_refused_before_training(tmp_path, capsys):
     from helpers import save_tiny_model as _tiny_model
 

@@ -360,6 +360,30 @@ def eval_model(cfg: FinetuneConfig, kind: str, num_labels: int, dist: DistInfo) 
     return apply_model_options(model, cfg.model_options).to(dist.device)
 
 
+def init_on_resume(cfg: FinetuneConfig, resume: str | None) -> str:
+    """The model a run loads before a resume restores its weights: `cfg.init`, or where that folder is gone, the
+    run's own checkpoint (an HF folder of the same architecture and task head, with the tokenizer files). Before,
+    moving or deleting the pretrained model after a fine-tuning had started left the fine-tuning unresumable. A
+    fresh start, or sharded (FSDP) checkpoints without HF weights, keep `cfg.init` and its error."""
+    from bertrain.model.hf import find_config_file, resolve_model_dir
+
+    if not resume or not cfg.init or not cfg.do_train:
+        return cfg.init
+    try:
+        find_config_file(resolve_model_dir(cfg.init))
+        return cfg.init
+    except ValueError:  # UserError too: a Hub id that is not in the local cache
+        pass
+    candidates = [p for _, p in ckpt.list_checkpoints(cfg.output_dir)] if resume == "auto" else [Path(resume)]
+    found = next((p for p in reversed(candidates)
+                  if (p / "config.json").is_file() and (p / "model.safetensors").is_file()), None)
+    if found is None:
+        return cfg.init
+    log.warning("--init %s is gone; resuming from %s, which also gives the model to build (its weights come from "
+                "the checkpoint, as on any resume)", cfg.init, found)
+    return str(found)
+
+
 def warn_other_settings(init: str, settings: dict[str, Any]) -> None:
     """One warning when the model to evaluate was fine-tuned with other feature settings (its task.json) than
     this evaluation's: `bertrain finetune ... --do_train false` on an exported model then gives other numbers
@@ -417,18 +441,19 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
     d = cfg.data
     fcfg = SquadFeatureConfig(d.max_seq_length, d.doc_stride, d.max_query_length)
     v2 = d.version_2_with_negative
-    check_length_fits_model(cfg.init, d.max_seq_length)
+    init = init_on_resume(cfg, resume)
+    check_length_fits_model(init, d.max_seq_length)
     with distributed_context(cfg.distributed, sharded=cfg.parallelism.strategy == "fsdp") as dist, \
             run_folder(Path(cfg.output_dir), "finetune squad", dist, resume, overwrite,
-                       {"init": cfg.init, "data.train_file": d.train_file if cfg.do_train else "",
+                       {"init": init, "data.train_file": d.train_file if cfg.do_train else "",
                         "data.dev_file": d.dev_file if cfg.do_eval else ""}, models=("init",), flags=FLAGS,
                        cfg=cfg), \
             contextlib.ExitStack() as after_fit:
-        same_paths_on_every_rank({"init": model_dir_or_name(cfg.init),
+        same_paths_on_every_rank({"init": model_dir_or_name(init),
                                   "data.train_file": d.train_file if cfg.do_train else "",
                                   "data.dev_file": d.dev_file if cfg.do_eval else ""})
         out_dir = _start(cfg, dist)
-        tok = load_task_tokenizer(cfg.init)
+        tok = load_task_tokenizer(init)
         results: dict[str, Any] = {"task": "squad", "version": "2.0" if v2 else "1.1", "init": cfg.init}
 
         def features(path: str, is_training: bool):
@@ -475,7 +500,7 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
         if cfg.do_train:
             train_path, _ = _subset_squad_file(d.train_file, d.train_articles, "data.train_articles", out_dir, "train")
             examples, feats = features(train_path, True)
-            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", cfg.init, feats, cfg.seed, dev=dev,
+            run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", init, feats, cfg.seed, dev=dev,
                                                      metric_names=metric_names if dev else None,
                                                      model_files=squad_model_files(d, v2)),
                                          resume, allow_config_change, on_eval)
@@ -552,14 +577,15 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
     """Fine-tune and/or evaluate on a GLUE task; rank 0 writes eval_results.json and the test submission."""
     d = cfg.data
     task = get_task(d.task)
-    check_length_fits_model(cfg.init, d.max_seq_length)
+    init = init_on_resume(cfg, resume)
+    check_length_fits_model(init, d.max_seq_length)
     with distributed_context(cfg.distributed, sharded=cfg.parallelism.strategy == "fsdp") as dist, \
             run_folder(Path(cfg.output_dir), f"finetune glue {task.name}", dist, resume, overwrite,
-                       {"init": cfg.init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS, cfg=cfg), \
+                       {"init": init, "data.data_dir": d.data_dir}, models=("init",), flags=FLAGS, cfg=cfg), \
             contextlib.ExitStack() as after_fit:
-        same_paths_on_every_rank({"init": model_dir_or_name(cfg.init), "data.data_dir": d.data_dir})
+        same_paths_on_every_rank({"init": model_dir_or_name(init), "data.data_dir": d.data_dir})
         out_dir = _start(cfg, dist)
-        tok = load_task_tokenizer(cfg.init)
+        tok = load_task_tokenizer(init)
         results: dict[str, Any] = {"task": task.name, "init": cfg.init, "max_seq_length": d.max_seq_length}
         # Every split is read (and checked) before any training: a bad dev or test file is found in seconds.
         train_split = read_split(d.data_dir, task, "train") if cfg.do_train else []
@@ -584,7 +610,7 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                 (_, dev_examples), *_ = dev_splits
                 dev = functools.partial(glue_dev_metrics, glue_features(dev_examples, task, tok, d.max_seq_length),
                                         task, cfg)
-            run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", cfg.init, feats, cfg.seed, task.num_labels,
+            run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", init, feats, cfg.seed, task.num_labels,
                                                      task.labels, dev, glue_metric_names(task.name),
                                                      glue_model_files(task, d.max_seq_length)),
                                          resume, allow_config_change, on_eval)
