@@ -23,7 +23,7 @@ RECIPES = {
     "bert-base-phase2.yaml": ("base", 32768, 4e-3, 0.128, 1563, 512, 80, "nvlamb", "poly"),
     "bert-large-phase1.yaml": ("large", 65536, 6e-3, 0.2843, 7038, 128, 20, "nvlamb", "poly"),
     "bert-large-phase2.yaml": ("large", 32768, 4e-3, 0.128, 1563, 512, 80, "nvlamb", "poly"),
-    "bert-base-adamw-256.yaml": ("base", 256, 1e-4, 10000, 1_000_000, 128, 20, "adamw", "linear"),
+    "bert-base-adamw-256.yaml": ("base", 256, 1e-4, 10000, 900_000, 128, 20, "adamw", "linear"),  # + 100k at 512
 }
 
 

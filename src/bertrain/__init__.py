@@ -18,6 +18,11 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+def __dir__() -> list[str]:
+    """The lazy exports too, so that completion (IPython, editors) offers them before their first use."""
+    return sorted({*globals(), *_EXPORTS})
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

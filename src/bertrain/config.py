@@ -12,7 +12,10 @@ Loading is strict: an unknown key, or a value of the wrong type, is a `ValueErro
 suggests the key that was probably meant). `__post_init__` of a config may raise `ValueError` for bad combinations;
 the message names the key, and `load_config` adds where each named key was set: the command line, the config file,
 or nowhere (the default). A key that moved (`MOVED_KEYS`: `distributed.strategy` is now `parallelism.strategy`)
-is still read under its old name, with one deprecation line.
+is still read under its old name, with one deprecation line. A key written twice in one mapping of a file is an
+error (YAML and JSON parsers keep the last silently: a second `optim:` section dropped the first one's lr). Paths
+are relative to the working directory, not to the file; in the keys that hold paths (`PATH_KEYS`) `~` and
+`$VAR` / `${VAR}` are expanded, and an unset variable is an error naming the key.
 """
 from __future__ import annotations
 
@@ -379,14 +382,69 @@ def describe_yaml_error(e: yaml.YAMLError) -> str:
     return where
 
 
+class DuplicateKeyError(ValueError):
+    """A key written twice in one mapping of a config file."""
+
+
+def _unique_keys(node: yaml.Node, seen: set[int] | None = None) -> None:
+    """Refuse a key written twice in one mapping of the composed YAML `node` (before construction: merge keys
+    `<<: *anchor` are not duplicates, and the keys an explicit entry overrides in a merge are legitimate)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias: the anchored node was checked where it is defined
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], yaml.Mark] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                ident = (key_node.tag, key_node.value)
+                if ident in first:
+                    mark, was = key_node.start_mark, first[ident]
+                    raise DuplicateKeyError(
+                        f"line {mark.line + 1}, column {mark.column + 1}: key '{key_node.value}' is written twice in "
+                        f"one mapping (first at line {was.line + 1}); the second would silently replace the first: "
+                        f"merge them into one")
+                first[ident] = key_node.start_mark
+            _unique_keys(key_node, seen)
+            _unique_keys(value_node, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _unique_keys(item, seen)
+
+
+def _load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, refusing duplicate keys (`_unique_keys`)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _unique_keys(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key '{key}' is written twice in one object; the second would silently "
+                                    "replace the first: merge them into one")
+        out[key] = value
+    return out
+
+
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict; parse errors name the file."""
+    """Read a YAML or JSON config file into a dict; parse errors and duplicate keys name the file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
     text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text, object_pairs_hook=_json_pairs) if path.suffix == ".json" else _load_yaml(text)
+    except DuplicateKeyError as e:
+        raise ValueError(f"config file {path}: {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"config file {path} is not valid JSON: {e}") from None
     except yaml.YAMLError as e:
@@ -395,6 +453,52 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+PATH_KEYS = frozenset({"output_dir", "output", "init", "init_state", "prepared", "input", "inputs", "vocab_file",
+                       "data_dir", "train_file", "dev_file", "cache_dir"})
+"""Leaf names of the keys that hold filesystem paths (a path or a list of paths, in any section): `expand_paths`
+expands `~` and environment variables in them, as a shell does on the command line, so that `output_dir: ~/runs/x`
+in a file does not write to a folder named `~` in the working directory."""
+
+_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_]\w*)\}|([A-Za-z_]\w*))")
+
+
+def expand_path(value: str, key: str) -> str:
+    """`value` with a leading `~` / `~user` and every `$VAR` / `${VAR}` expanded; an unset variable or an unknown
+    user is a ValueError naming `key` (left as they were, they became a folder named `$SCRATCH` or `~`)."""
+    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(value)
+             if (m.group(1) or m.group(2)) not in os.environ]
+    if unset:
+        raise ValueError(f"config key '{key}': {value!r} names the environment variable(s) "
+                         f"{', '.join(dict.fromkeys(unset))}, not set: set it, or write the path out")
+    out = os.path.expandvars(value)
+    if out.startswith("~"):
+        expanded = os.path.expanduser(out)
+        if expanded.startswith("~"):
+            raise ValueError(f"config key '{key}': {value!r}: '{out.split('/')[0]}' names no home folder: write "
+                             "the path out")
+        out = expanded
+    return out
+
+
+def expand_paths(data: Any, prefix: str = "") -> Any:
+    """A copy of nested config `data` with the path keys (`PATH_KEYS`, at any depth, lists of paths and lists of
+    sections included) expanded by `expand_path`; other values as they are."""
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            key = _join(prefix, str(k))
+            if k in PATH_KEYS and isinstance(v, str):
+                out[k] = expand_path(v, key)
+            elif k in PATH_KEYS and isinstance(v, list) and all(isinstance(x, str) for x in v):
+                out[k] = [expand_path(x, f"{key}[{i}]") for i, x in enumerate(v)]
+            else:
+                out[k] = expand_paths(v, key)
+        return out
+    if isinstance(data, list):
+        return [expand_paths(v, f"{prefix}[{i}]") for i, v in enumerate(data)]
     return data
 
 
@@ -459,7 +563,7 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
         except ValueError as e:
             raise type(e)(str(e)) from None  # already says "on the command line"
     try:
-        return from_dict(cls, data)
+        return from_dict(cls, expand_paths(data))
     except UnknownKeyError as e:
         raise UnknownKeyError(sources.explain(cls, str(e), unknown=True)) from None
     except ValueError as e:
@@ -515,7 +619,9 @@ class _Sources:
             else:
                 parts.append(f"{', '.join(keys)} not set: the default{'s' if len(keys) > 1 else ''}")
         message = f"{message} ({'; '.join(parts)})"
-        if self.path is None and list(by_source) == [None]:
+        # a command run without --config (not a recipe's stage, whose keys come as the base: `bertrain run` has no
+        # --config and no --train.steps, and its message names the recipe section instead)
+        if self.path is None and not self.base_keys and list(by_source) == [None]:
             example = getattr(cls, "example_config", None) or EXAMPLE_CONFIGS.get(cls.__name__)
             leaves = [k for k in named if not any(o.startswith(k + ".") for o in known)]
             message += (" — no --config was given: use a config file"

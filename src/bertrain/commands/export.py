@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint folder (step-N), a model folder (e.g. a run's final/), a run folder (its "
                              "final/, the best model under eval.final best; else its newest step-N), or a Hub model "
                              "id (ORG/NAME) in the local Hugging Face cache")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF model folder (--format onnx: the ONNX folder, "
-                                                                 "or the Triton repository with --triton)")
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="where to write the HF model folder (--format onnx: the ONNX folder, or the Triton "
+                             "repository with --triton)")
     parser.add_argument("--format", choices=["hf", "onnx"], default="hf",
                         help="hf: an HF model folder; onnx: model.onnx (dynamic batch and sequence axes) + tokenizer "
                              "files + onnx.json, verified against PyTorch on real text (QA, classification/"

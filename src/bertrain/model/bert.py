@@ -188,16 +188,21 @@ for _output in (BertModelOutput, BertForPreTrainingOutput, SequenceClassifierOut
 # ----------------------------------------------------------------------------------------------- encoder
 
 class Dropout(nn.Dropout):
-    """`nn.Dropout` whose CPU mask is drawn with `torch.rand(...) >= p` instead of `bernoulli_`: the same
-    distribution (keep with probability 1 - p, scale 1 / (1 - p)), drawn faster (a whole fine-tuning step 3% faster
-    on 2 cores: BENCHMARKS.md "Time to quality"). Other devices keep torch's fused kernel."""
+    """`nn.Dropout` whose CPU mask is drawn with `torch.rand(...) >= p` (float32 uniforms, whatever the input's
+    dtype) instead of `bernoulli_`: the same distribution (keep with probability 1 - p, scale 1 / (1 - p)), drawn
+    faster (a whole fine-tuning step 3% faster on 2 cores: BENCHMARKS.md "Time to quality"). Other devices keep
+    torch's fused kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0 or x.device.type != "cpu":
             return super().forward(x)
-        # the mask in x's dtype, as torch's kernel keeps it: a bool mask times a Python float is float32, which
-        # turned bf16 activations into float32 (FSDP's bf16 LayerNorm then refused them: "mixed dtype (CPU)")
-        return x * (torch.rand_like(x) >= self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # in place: no extra tensor
+        # Uniforms in float32 whatever x's dtype: torch.rand in bf16 has 256 levels (k/256), so `>= p` kept 230/256 =
+        # 0.898 for p = 0.1 and 253/256 for p = 0.01 (activations shrunk 0.2-0.4% in training, none kept for
+        # p > 255/256); in float32 (x's usual dtype) this is the same draw as rand_like. The mask in x's dtype, as
+        # torch's kernel keeps it: a bool mask times a Python float is float32, which turned bf16 activations into
+        # float32 (FSDP's bf16 LayerNorm then refused them: "mixed dtype (CPU)")
+        keep = torch.rand(x.shape, device=x.device) >= self.p
+        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))  # in place: no extra tensor
 
 
 class BertEmbeddings(nn.Module):
@@ -400,6 +405,30 @@ class BertPreTrainedModel(nn.Module):
         return n
 
 
+def check_inputs(config: BertConfig, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                 attention_mask: torch.Tensor | None) -> None:
+    """A clear ValueError for inputs the embeddings would misread: shapes always; id ranges on the CPU only (reading
+    them from a GPU would stall the host every step) and not while torch.compile/export traces. An id in
+    [vocab_size, padded_vocab_size) would otherwise pass silently (the padding rows exist, zero), where HF fails."""
+    if input_ids.dim() != 2 or not input_ids.numel():
+        raise ValueError(f"input_ids must be a (batch, length) tensor with at least one token; got shape "
+                         f"{tuple(input_ids.shape)}" + (" (one sequence: input_ids[None])" if input_ids.dim() == 1
+                                                        else ""))
+    if input_ids.is_floating_point():
+        raise ValueError(f"input_ids must hold integer token ids; got {input_ids.dtype}")
+    for name, t in (("token_type_ids", token_type_ids), ("attention_mask", attention_mask)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, input_ids {tuple(input_ids.shape)}: give one "
+                             f"value per token")
+    if input_ids.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return
+    for name, t, n, what in (("input_ids", input_ids, config.vocab_size, "vocab_size"),
+                             ("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")):
+        if t is not None and not bool(((t >= 0) & (t < n)).all()):
+            raise ValueError(f"{name} must lie in [0, {what}={n}); got {int(t.min())}..{int(t.max())} (a tokenizer "
+                             f"that does not match the model?)")
+
+
 class BertModel(BertPreTrainedModel):
     """The encoder: embeddings, `num_hidden_layers` post-LN layers and (optionally) the pooler."""
 
@@ -430,6 +459,7 @@ class BertModel(BertPreTrainedModel):
         pooler's); `last_hidden_state` is then (B, P, H), the (B, T, H) output gathered there, and no padding
         position's output is read (as reads_padding=False: 0 there when unpadded). With `self.prune_last_layer` the
         last layer computes just those rows (and [CLS] for the pooler)."""
+        check_inputs(self.config, input_ids, token_type_ids, attention_mask)
         B, T = input_ids.shape
         if T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
@@ -439,9 +469,12 @@ class BertModel(BertPreTrainedModel):
         reads = read_positions
         if reads is not None:
             reads_padding = False
+            if reads.dim() != 2 or reads.size(0) != B:
+                raise ValueError(f"read_positions (BertForPreTraining: masked_positions) must be (batch={B}, P); got "
+                                 f"shape {tuple(reads.shape)}")
             if reads.device.type == "cpu" and reads.numel() and not bool(((reads >= 0) & (reads < T)).all()):
                 raise ValueError(f"read_positions must lie in [0, {T}) (the batch's length); got "
-                                 f"{int(reads.min())}..{int(reads.max())}")
+                                 f"{int(reads.min())}..{int(reads.max())} (BertForPreTraining: masked_positions)")
             if self.pooler is not None:  # [CLS] first, for the pooler
                 reads = torch.cat([reads.new_zeros(B, 1), reads], dim=1)          # (B, 1 + P)
         layout = attention_layout(attention_mask, unpad=self.unpad and not reads_padding, jagged=self.jagged_attention,
@@ -515,6 +548,11 @@ class BertForPreTraining(BertPreTrainedModel):
                 next_sentence_label: torch.Tensor | None = None) -> BertForPreTrainingOutput:
         """masked_positions (B, P): run the (vocabulary-wide, expensive) MLM head only there; `labels` is then
         (B, P) aligned with it, else (B, T). -100 = ignore. next_sentence_label (B,): 0 IsNext, 1 random, -100."""
+        aligned = masked_positions if masked_positions is not None else input_ids
+        if labels is not None and labels.shape != aligned.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)}; it must be {tuple(aligned.shape)}: " +
+                             ("aligned with masked_positions (B, P)" if masked_positions is not None
+                              else "one label per token (B, T)"))
         # With masked_positions only those positions' outputs (and [CLS]'s) are read.
         out = self.bert(input_ids, token_type_ids, attention_mask, read_positions=masked_positions)
         h = out.last_hidden_state                                          # (B, T, H), or (B, P, H) masked

@@ -17,7 +17,8 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100)
     """Summed cross-entropy over labels != ignore_index (0 when there are none: still a function of `logits`,
     so every parameter gets a gradient, which DDP needs)."""
     labels = labels.reshape(-1)
-    return F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=ignore_index,
+    # the class count spelled out: with no label at all (P = 0 masked positions) a -1 there is ambiguous
+    return F.cross_entropy(logits.reshape(labels.numel(), logits.size(-1)).float(), labels, ignore_index=ignore_index,
                            reduction="sum")
 
 

@@ -24,8 +24,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from bertrain.config import (deep_merge, describe_yaml_error, flatten, from_dict, load_config, load_file, set_dotted,
-                            to_dict, upgrade_keys)
+from bertrain.config import (deep_merge, describe_yaml_error, expand_paths, flatten, from_dict, load_config, load_file,
+                            set_dotted, to_dict, upgrade_keys)
 from bertrain.data.prepare import PrepareConfig
 from bertrain.data.readers import CorpusConfig
 from bertrain.pipeline.downstream import TASK_NAME
@@ -216,7 +216,10 @@ def _recipe_message(message: str, sections: list[tuple[str, dict[str, Any]]]) ->
     if blamed:  # an unknown key's suggestions, in the section it was written in: 'phase1.train.steps'
         out = re.sub(r"did you mean '[^']+'(?: or '[^']+')*",
                      lambda m: re.sub(r"'([^']+)'", lambda k: f"'{blamed[0]}.{k.group(1)}'", m.group(0)), out)
-    return out if out.startswith(("recipe key", "unknown recipe key")) else f"recipe: {out}"
+    if out.startswith(("recipe key", "unknown recipe key")):
+        return out
+    # nothing the recipe set is named (keys left at their defaults): name the stage's own section, where they go
+    return f"recipe section '{sections[-1][0]}': {out}" if sections else f"recipe: {out}"
 
 
 def prepare_config(recipe: Recipe, run_dir: Path, vocab_file: Path) -> PrepareConfig:
@@ -350,6 +353,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     the stages are built (`bertrain.pipeline.stages.build_stages`), both before any work."""
     data = apply_overrides(load_file(path), list(overrides or []))
     try:
+        data = expand_paths(data)  # `~` and $VAR in the path keys (data.input, output_dir, ...), as the engine's
         for i, task in enumerate(data.get("finetune") or []):
             if isinstance(task, dict) and task.get("search") is not None:
                 # first on its own: from_dict reports an error inside an Optional section without its key
