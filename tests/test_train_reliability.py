@@ -114,6 +114,10 @@ def test_inputs_are_checked_before_overwrite_moves_a_finished_run_aside(finished
         err = capsys.readouterr().err.strip().splitlines()
         assert says in err[-1] and not [p for p in tmp_path.iterdir() if ".replaced-" in p.name], (extra, err)
         assert snapshot(out) == before
+    # a refused command creates nothing: not the new output folder's parents, nor its lock file
+    assert main(["pretrain", "--config", str(cfg), "--output_dir", str(tmp_path / "deep" / "new"),
+                 "--model.init", str(tmp_path / "typo")]) == 2
+    assert "config key 'model.init'" in capsys.readouterr().err and not (tmp_path / "deep").exists()
     model = save_tiny_model(tmp_path / "model")
     for argv, says in ((finetune_argv("glue", tmp_path / "RTE-typo", model, out, 2),
                         "config key 'data.data_dir' (--data-dir): "),

@@ -109,11 +109,13 @@ def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | Non
     with contextlib.ExitStack() as held:  # releases the lock on every way out
 
         def claim() -> str:
-            held.enter_context(OutputLock(output_dir, command))
+            # the checks read only: before the lock, so that a refused command creates nothing (not even the
+            # output folder's parents and its lock file)
             check_inputs(output_dir, inputs or {}, models, overwrite, flags or {})
             if cfg is not None:
                 resolve_batch(cfg.train, dist.world_size)
                 ParallelDims.from_config(cfg, dist.world_size)
+            held.enter_context(OutputLock(output_dir, command))
             return claim_run_folder(output_dir, command, resume, overwrite)["run_id"]
 
         run_id = on_rank0(f"use the output folder {output_dir}", claim)
