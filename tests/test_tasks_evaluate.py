@@ -9,13 +9,14 @@ import torch
 
 from distributed import spawn
 
-from bertrain.tasks.evaluate import merge_gathered, shard_for_eval
+from bertrain.tasks.evaluate import eval_batches, merge_gathered
 
 
 @pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (2, 4), (8, 4), (1, 1)])
-def test_merge_gathered_drops_padding_duplicates(n, world):
-    shards = [shard_for_eval(n, r, world) for r in range(world)]
-    assert len({len(s) for s in shards}) == 1  # equal counts on every rank (collectives need it)
+def test_merge_gathered_puts_every_rank_s_batches_in_order(n, world):
+    split = [eval_batches(n, 2, r, world) for r in range(world)]
+    assert len({len(b) + fill for b, fill in split}) == 1  # as many passes on every rank (collectives need it)
+    shards = [np.concatenate(b) if b else np.zeros(0, dtype=np.int64) for b, _ in split]
     parts = [(s, (s * 10.0, np.stack([s, s], axis=1))) for s in shards]
     a, b = merge_gathered(parts, n)
     assert np.array_equal(a, np.arange(n) * 10.0) and b.shape == (n, 2)
@@ -48,7 +49,7 @@ def _gather_worker(rank: int, world: int, n: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_distributed_eval_two_processes_no_duplicates(tmp_path):
-    n = 7  # not a multiple of the world size: the sampler pads rank 1 with a duplicate
+    n = 7  # not a multiple of the world size: rank 1 has a batch fewer and runs a filler
     spawn(_gather_worker, 2, n, str(tmp_path))
     for r in range(2):
         out = np.load(tmp_path / f"rank{r}.npy")
