@@ -131,7 +131,8 @@ def test_a_resume_that_would_change_a_derived_global_batch_is_refused(tmp_path: 
 def test_two_ranks_equal_one_rank_with_two_micro_steps_bitwise(tmp_path: Path) -> None:
     """2 ranks x 1 micro-step and 1 rank x 2 micro-steps (global batch 8, dropout on): the same samples and dropout
     masks in the same places, and two partial gradients add the same way (a + b), so the weights are equal bit for
-    bit; what lets an elastic job continue exactly on fewer nodes (tests/test_launchers.py does it with torchrun)."""
+    bit; what lets an elastic job continue exactly on fewer nodes (tests/test_launchers.py does it with torchrun).
+    The logged losses too (the micro-steps' add in float64, as the ranks' all-reduce does)."""
     params = {}
     for world in (1, 2):
         cfg = base_config(tmp_path / f"w{world}", global_batch_size=8, micro_batch_size=4)
@@ -139,6 +140,7 @@ def test_two_ranks_equal_one_rank_with_two_micro_steps_bitwise(tmp_path: Path) -
         params[world] = torch.load(tmp_path / f"w{world}" / "rank0.pt")["params"]
     for k in params[1]:
         assert torch.equal(params[1][k], params[2][k]), k
+    assert losses(tmp_path / "w1") == losses(tmp_path / "w2")
 
 
 def test_uneven_data_finishes_without_hang(tmp_path: Path) -> None:

@@ -215,13 +215,42 @@ _WORKER_TRIM_THRESHOLD = 128 << 20
 
 
 def _start_worker(initializer, initargs) -> None:
-    # The parent's SIGTERM handler (the CLI's, a training loop's) is no worker's: Pool.terminate ends workers with
-    # SIGTERM, and one that inherited a Python handler could outlive it and hang the pool's join.
+    # The parent's SIGTERM handler (the CLI's, a training loop's) is no worker's: one that inherited a Python handler
+    # could outlive the end of the pool and hang its join.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A stop signal to the whole process group (Ctrl-C in a terminal, `kill -TERM -PGID`, Slurm's or systemd's stop,
+    # which signal every process of the job) is the parent's alone: a worker that died of it mid-read of a task, or
+    # holding the task queue's lock, hung the parent's Pool.terminate for good (and printed a traceback per worker
+    # for Ctrl-C). The parent stops (KeyboardInterrupt / the CLI's SIGTERM) and ends the workers with SIGKILL
+    # (`_Worker.terminate`), which no mask holds back.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     keep_freed_memory(_WORKER_MMAP_THRESHOLD, _WORKER_TRIM_THRESHOLD)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested thread pools
     if initializer is not None:
         initializer(*initargs)
+
+
+class _ForkWorker(multiprocessing.context.ForkProcess):
+    """A pool worker that `Pool.terminate` ends with SIGKILL: it holds SIGTERM back (`_start_worker`)."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _SpawnWorker(multiprocessing.context.SpawnProcess):
+    """As `_ForkWorker`, for platforms without fork."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _ForkContext(multiprocessing.context.ForkContext):
+    Process = _ForkWorker
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    Process = _SpawnWorker
 
 
 def _pool(workers: int, initializer, initargs):
@@ -235,9 +264,8 @@ def _pool(workers: int, initializer, initargs):
         return None
     if "fork" in multiprocessing.get_all_start_methods():
         initializer(*initargs)
-        return multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(None, ()))
-    return multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
-                                                     initargs=(initializer, initargs))
+        return _ForkContext().Pool(workers, initializer=_start_worker, initargs=(None, ()))
+    return _SpawnContext().Pool(workers, initializer=_start_worker, initargs=(initializer, initargs))
 
 
 # ----------------------------------------------------------------------------------------------- stage 1
@@ -275,7 +303,7 @@ def _end_pool(pool, finished: bool = False) -> None:
     """End the pool: `finished` (every task done), the workers take the pool's end-of-work sentinel and exit; else
     (an error, tasks in flight) they are terminated. Not terminate on success: it hung a full test run for good —
     it signals workers that may still wait on the task queue's lock, which it holds from then on, and a worker whose
-    SIGTERM did not end it waited there for ever (a worker now resets SIGTERM to its default: `_start_worker`)."""
+    SIGTERM did not end it waited there for ever (terminate now ends a worker with SIGKILL: `_ForkWorker`)."""
     if pool is not None:
         if finished:
             pool.close()

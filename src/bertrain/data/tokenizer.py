@@ -491,7 +491,9 @@ def _write_vocab(out_dir: Path, text: str, stats: dict, overwrite: bool) -> None
             if overwrite and (out_dir / name).exists():
                 logger.info("moved the previous %s aside to %s", name, move_aside(out_dir / name).name)
         with writing(f"renaming the new vocabulary into place in {out_dir}"):
-            for p, name in zip(new, names):
+            # vocab.txt last: it is what says a vocabulary is there (`train_vocab` refuses to overwrite it, prepare
+            # reads the casing from the stats beside it); a cut between the renames leaves stats alone, redone
+            for p, name in reversed(list(zip(new, names))):
                 os.replace(p, out_dir / name)
     finally:
         for p in new:

@@ -388,7 +388,9 @@ class _Run:
         groups = self.task.loss_groups
         world = self.dist.world_size
         keep_gathered = not self.cfg.parallelism.reshard_after_forward  # fsdp: gather once per optimizer step
-        shares = torch.zeros(len(groups), device=self.dist.device)
+        # float64: the micro-steps' losses add exactly, as the ranks' do in the float64 all-reduce (Meter.flush), so
+        # the logged loss of 1 rank x 2 micro-steps is that of 2 ranks x 1 bit for bit, as the weights are
+        shares = torch.zeros(len(groups), dtype=torch.float64, device=self.dist.device)
         for i, mb in enumerate(micro_batches):
             ckpt.seed_micro_batch(self.cfg.seed, self.state.step, i * world + self.dist.rank)
             with no_sync(self.model, enabled=i < len(micro_batches) - 1, keep_gathered=keep_gathered):
@@ -396,7 +398,7 @@ class _Run:
                     sums = self.task.forward(self.model, mb)
                 terms = torch.stack([sums[f"{g}_loss_sum"].float() / max(c, 1) for g, c in zip(groups, counts)])
                 self.precision.backward(terms.sum() * world)
-            shares += terms.detach()
+            shares += terms.detach().double()
             meter.add_micro(sums, mb)
         return shares
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -78,11 +79,29 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         old = dst.with_name(f".{dst.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
-        os.replace(src, dst)
+        try:
+            os.replace(src, dst)
+        except BaseException:  # a stop signal's exception (Ctrl-C, the CLI's SIGTERM) between the two renames
+            if not dst.exists():  # the old folder back under its name: the caller then drops the new one
+                os.replace(old, dst)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
     fsync_dir(dst.parent)
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary folders `atomic_dir` left for `path` in a process that was killed (kill -9, OOM) while
+    building it: each is as large as the output (a model, a checkpoint), and nothing else ever removed it. The
+    writer of `path` holds its lock (`OutputLock` of the output, or of the run folder it is in), so a temporary of
+    `path` found now is a dead writer's. Only `.NAME.<mkdtemp's 8 characters>.tmp` matches: not the temporaries of
+    another output whose name starts with NAME."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path.parent):
+            if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -99,6 +118,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
     if path.exists() and not overwrite and move_existing is None:
         raise FileExistsError(f"{path} already exists (pass overwrite to replace it)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         os.chmod(tmp, dir_mode())  # mkdtemp made it 0700
