@@ -66,6 +66,7 @@ from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, tr
 from bertrain.train.trackers import TrackerIds, Trackers, open_trackers, run_status
 from bertrain.train.watchdog import StopSignal, Watchdog
 from bertrain.utils.errors import OutputError, UserError, writing
+from bertrain.utils.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +344,7 @@ class _Run:
             if log_due:
                 last = meter.flush(state, self.optimizer, self.precision, dist)
                 metrics_log.log(last)
+                release_freed_memory()  # CPU: the kept heap's free pages back once a minute (utils/memory.py)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
                 of = "" if self.total_steps == NO_STEP_LIMIT else f"/{self.total_steps}"
                 log.info("step %d%s %s", state.step, of, _format_record(last))
