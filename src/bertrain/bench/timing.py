@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from bertrain.utils.memory import MallInfo2
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so wall-clock time covers it."""
@@ -41,11 +43,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def _heap_reader() -> Callable[[], int] | None:
     """Bytes malloc has handed out and not got back (glibc >= 2.33 `mallinfo2`: in-use heap + mmapped blocks), or
     None. Unlike RSS this does not depend on whether freed memory goes back to the kernel (the trainer keeps it:
@@ -54,7 +51,7 @@ def _heap_reader() -> Callable[[], int] | None:
         fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
         return None
-    fn.restype = _MallInfo2
+    fn.restype = MallInfo2
 
     def read() -> int:
         info = fn()

@@ -344,7 +344,7 @@ class _Run:
             if log_due:
                 last = meter.flush(state, self.optimizer, self.precision, dist)
                 metrics_log.log(last)
-                release_freed_memory()  # CPU: the kept heap's free pages back once a minute (utils/memory.py)
+                release_freed_memory()  # CPU: the kept heap's free pages back once they outgrow its use (utils/memory.py)
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
                 of = "" if self.total_steps == NO_STEP_LIMIT else f"/{self.total_steps}"
                 log.info("step %d%s %s", state.step, of, _format_record(last))
