@@ -188,6 +188,22 @@ def test_changed_architecture_is_refused_with_a_clear_message(finished, capsys):
     assert "different architecture cannot continue a run" in err and "Traceback" not in err
 
 
+def assert_resumes_without(init: Path, out: Path, argv: list[str], caplog) -> None:
+    """Run `argv` (4 steps, checkpoints at 2 and 4) straight; cut it back to step 2's checkpoint (as a kill there
+    leaves it), delete its `init` model, resume: it says so and ends bitwise as the straight run."""
+    assert main(argv) == 0
+    straight = load_file(out / "final" / "model.safetensors")
+    for gone in ("step-4", "final"):
+        shutil.rmtree(out / gone)
+    shutil.rmtree(init)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bertrain"):
+        assert main([*argv, "--resume", "auto"]) == 0
+    assert "is gone; resuming from" in caplog.text and "resumed from" in caplog.text, caplog.text[-2000:]
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_phase2_resumes_after_its_model_init_folder_is_gone(finished, tmp_path, capsys, caplog):
     """Phase 2 (model.init = phase 1's final/) killed after step 2, then phase 1's folder deleted to free disk: the
     resume takes the architecture from its own checkpoint and ends bitwise as the straight run (before: 'config key
@@ -199,17 +215,7 @@ def test_phase2_resumes_after_its_model_init_folder_is_gone(finished, tmp_path, 
     cfg = json.loads(write_config(tmp_path / "p2.json", out).read_text())
     cfg["model"] = {"init": str(init), "dropout": 0.1}
     (tmp_path / "p2.json").write_text(json.dumps(cfg))
-    assert main(["pretrain", "--config", str(tmp_path / "p2.json")]) == 0
-    straight = load_file(out / "final" / "model.safetensors")
-    for gone in ("step-4", "final"):  # as if killed after step 2's checkpoint
-        shutil.rmtree(out / gone)
-    shutil.rmtree(init)
-    caplog.clear()
-    with caplog.at_level("INFO", logger="bertrain"):
-        assert main(["pretrain", "--config", str(tmp_path / "p2.json"), "--resume", "auto"]) == 0
-    assert "is gone; resuming from" in caplog.text and "resumed from" in caplog.text, caplog.text[-2000:]
-    resumed = load_file(out / "final" / "model.safetensors")
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert_resumes_without(init, out, ["pretrain", "--config", str(tmp_path / "p2.json")], caplog)
     # a fresh start has nothing to take the weights from
     assert main(["pretrain", "--config", str(tmp_path / "p2.json"), "--output_dir", str(tmp_path / "new")]) == 2
     assert "config key 'model.init'" in capsys.readouterr().err
@@ -353,17 +359,7 @@ def test_a_finetuning_resumes_after_its_init_folder_is_gone(kind, tmp_path, capl
     out = tmp_path / "ft"
     argv = finetune_argv(kind, finetune_data(kind, tmp_path / "data"), init, out, 4,
                          "--checkpoint.save_interval", "2", "--checkpoint.keep_last", "0")
-    assert main(argv) == 0
-    straight = load_file(out / "final" / "model.safetensors")
-    for gone in ("step-4", "final"):  # as if killed after step 2's checkpoint
-        shutil.rmtree(out / gone)
-    shutil.rmtree(init)
-    caplog.clear()
-    with caplog.at_level("INFO", logger="bertrain"):
-        assert main([*argv, "--resume", "auto"]) == 0
-    assert "is gone; resuming from" in caplog.text and "resumed from" in caplog.text, caplog.text[-2000:]
-    resumed = load_file(out / "final" / "model.safetensors")
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert_resumes_without(init, out, argv, caplog)
 
 
 def test_a_bad_test_file_is_refused_before_training(tmp_path, capsys):
