@@ -40,7 +40,7 @@ from bertrain.train.config import (BatchPlan, CheckpointConfig, EvalConfig, Opti
                                    TrainerConfig)
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0, same_paths_on_every_rank
 from bertrain.train.precision import Precision
-from bertrain.train.resume import run_folder
+from bertrain.train.resume import checkpoint_for_gone_init, run_folder
 from bertrain.train.evaluation import OnEval
 from bertrain.train.trainer import NO_STEP_LIMIT, RunResult, Trainer
 from bertrain.utils.errors import RunStopped
@@ -365,18 +365,7 @@ def init_on_resume(cfg: FinetuneConfig, resume: str | None) -> str:
     run's own checkpoint (an HF folder of the same architecture and task head, with the tokenizer files). Before,
     moving or deleting the pretrained model after a fine-tuning had started left the fine-tuning unresumable. A
     fresh start, or sharded (FSDP) checkpoints without HF weights, keep `cfg.init` and its error."""
-    from bertrain.model.hf import find_config_file, resolve_model_dir
-
-    if not resume or not cfg.init or not cfg.do_train:
-        return cfg.init
-    try:
-        find_config_file(resolve_model_dir(cfg.init))
-        return cfg.init
-    except ValueError:  # UserError too: a Hub id that is not in the local cache
-        pass
-    candidates = [p for _, p in ckpt.list_checkpoints(cfg.output_dir)] if resume == "auto" else [Path(resume)]
-    found = next((p for p in reversed(candidates)
-                  if (p / "config.json").is_file() and (p / "model.safetensors").is_file()), None)
+    found = checkpoint_for_gone_init(cfg.init, resume, cfg.output_dir, with_weights=True) if cfg.do_train else None
     if found is None:
         return cfg.init
     log.warning("--init %s is gone; resuming from %s, which also gives the model to build (its weights come from "

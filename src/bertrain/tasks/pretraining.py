@@ -33,8 +33,8 @@ from bertrain.data.store import heldout_status
 from bertrain.data.synthetic import SyntheticPretrainingLoader
 from bertrain.data.tokenizer import read_vocab
 from bertrain.model.bert import BertConfig, BertForPreTraining
-from bertrain.model.hf import (config_from_json_file, find_config_file, model_dir_or_name, read_tokenizer_files,
-                              resolve_model_dir, tokenizer_files_from_vocab)
+from bertrain.model.hf import (config_from_json_file, model_dir_or_name, read_tokenizer_files, resolve_model_dir,
+                              tokenizer_files_from_vocab)
 from bertrain.model.losses import pretraining_loss_sums
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig, check_all, check_positive
@@ -42,7 +42,7 @@ from bertrain.train.distributed import (DistInfo, all_reduce_sum, distributed_co
                                        same_paths_on_every_rank)
 from bertrain.train.metrics import plot_metrics
 from bertrain.train.precision import Precision
-from bertrain.train.resume import run_folder
+from bertrain.train.resume import checkpoint_for_gone_init, run_folder
 from bertrain.train.trainer import RunResult, Trainer, to_device, trim_padding
 from bertrain.utils.errors import UserError, writing
 from bertrain.utils.io import atomic_write_bytes
@@ -453,16 +453,7 @@ def built_on_resume(cfg: PretrainConfig, resume: str | None) -> PretrainConfig:
     disk) left phase 2 unresumable ("config key 'model.init': ... does not exist"). Where there is no checkpoint to
     resume, the usual error names model.init."""
     m, out = cfg.model, Path(cfg.output_dir)
-    if not resume or not m.init:
-        return cfg
-    try:
-        find_config_file(resolve_model_dir(m.init))
-        return cfg
-    except ValueError:  # UserError too: a Hub id that is not in the cache
-        pass
-    # any of the run's checkpoints gives the architecture (a run keeps its shape); the resume verifies its own
-    candidates = [p for _, p in ckpt.list_checkpoints(out)] if resume == "auto" else [Path(resume)]
-    found = next((p for p in reversed(candidates) if (p / "config.json").is_file()), None)
+    found = checkpoint_for_gone_init(m.init, resume, out)
     if found is None:
         return cfg
     log.warning("config key 'model.init': %s is gone; resuming from %s, whose config.json gives the architecture "

@@ -123,6 +123,26 @@ def run_folder(output_dir: Path, command: str, dist: DistInfo, resume: str | Non
         yield
 
 
+def checkpoint_for_gone_init(init: str, resume: str | None, output_dir: str | Path,
+                             with_weights: bool = False) -> Path | None:
+    """The run's own checkpoint to build the model from where a resume's initial model (`init`: pretraining's
+    model.init, fine-tuning's --init) is gone (moved or deleted once the run had checkpoints); None where `init` is
+    there, or nothing is resumed, or no checkpoint has a config.json (`with_weights`: and HF weights, not only DCP
+    shards). Any of the run's checkpoints will do: a run keeps its shape, and the resume verifies its own."""
+    from bertrain.model.hf import find_config_file, resolve_model_dir
+
+    if not resume or not init:
+        return None
+    try:
+        find_config_file(resolve_model_dir(init))
+        return None
+    except ValueError:  # UserError too: a Hub id that is not in the local cache
+        pass
+    candidates = [p for _, p in ckpt.list_checkpoints(output_dir)] if resume == "auto" else [Path(resume)]
+    return next((p for p in reversed(candidates) if (p / "config.json").is_file()
+                 and (not with_weights or (p / "model.safetensors").is_file())), None)
+
+
 def check_inputs(output_dir: Path, inputs: Mapping[str, str], models: Collection[str], overwrite: bool,
                  flags: Mapping[str, str]) -> None:
     """What a run reads (config key -> path; empty: unused), checked before its output folder is claimed. Before,
