@@ -152,6 +152,27 @@ def test_info_on_an_unfinished_pipeline_says_which_stages_are_left(pretrain_run,
     assert [s["complete"] for s in run["stages"]] == [True, True, True, True, True, False]
 
 
+def test_info_lists_the_stages_a_pipeline_has_not_started_from_its_plan(pretrain_run, tmp_path, capsys):
+    """stages.json (the plan `bertrain run` writes) gives every stage in its order: the ones not started are listed
+    as such and counted in the state (before: "5 of 6 complete" for a plan of 8 stages, the others unnamed)."""
+    pipe = pipeline_folder(tmp_path, pretrain_run, finished=False)
+    plan = ["vocab", "prepare", "pretrain-phase1", "pretrain-phase2", "finetune-topics-pretrained-s1",
+            "finetune-topics-random-s1", "evaluate", "report"]
+    (pipe / "stages.json").write_text(json.dumps({"stages": [{"name": n, "what": "..."} for n in plan]}))
+    text = info_text(pipe, capsys)
+    assert "stages (5 of 8 complete)" in text
+    assert "state: not finished: finetune-topics-random-s1 started but not complete; 2 stages not started; the " \
+           "same `bertrain run` command continues it" in text
+    marks = [(line.split()[0], line.split()[1]) for line in text.splitlines()
+             if line.startswith("    ") and ("complete" in line.lower() or "not started" in line)]
+    assert marks == [(n, "complete") for n in plan[:5]] + [("finetune-topics-random-s1", "NOT"),
+                                                          ("evaluate", "not"), ("report", "not")]
+    assert main(["info", "--model", str(pipe), "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["run"]["stages"]
+    assert [(s["name"], s["complete"], s["not_started"]) for s in stages] == \
+        [(n, i < 5, i > 5) for i, n in enumerate(plan)]
+
+
 def test_a_config_with_fewer_layers_than_the_checkpoint_is_refused(tmp_path):
     """Google's checkpoint (2 layers) beside a bert_config.json that says 1: refused naming both files (before: the
     first layer only was loaded and `bertrain convert` wrote that other network, with a warning); asked for with

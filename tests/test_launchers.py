@@ -384,6 +384,34 @@ def test_elastic_shrink_two_agents_to_one_keeps_the_global_batch(setup: dict[str
     assert_bitwise(setup["reference"], out)
 
 
+def test_elastic_shrink_of_an_fsdp_job_resumes_its_shards_on_one_agent(setup: dict[str, Path]) -> None:
+    """The shrink above under `parallelism.strategy: fsdp`: the lone agent's one-rank job makes a one-rank FSDP group
+    and loads the 2-rank sharded checkpoint (DCP); the result equals the straight 2-rank FSDP run to rounding (FSDP
+    reduce-scatters where one rank sums locally: not bitwise). Before session 17 every restart failed ("fsdp but the
+    job has 1 rank")."""
+    config = setup["root"] / "pretrain-fsdp.yaml"
+    config.write_text(json.dumps({**json.loads(setup["config"].read_text()), "parallelism": {"strategy": "fsdp"}}))
+    reference = setup["root"] / "fsdp-reference"
+    launch(with_bertrain(readme_line(*LINES["torchrun"])), config, reference)
+    out = setup["root"] / "fsdp-shrink"
+    words = readme_line(*LINES["torchrun c10d"]) + [
+        "--rdzv-conf", "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"]  # as in the DDP test
+    first, second = agents(words, free_port(), config, out)
+    wait_for(out / "step-30" / "COMPLETE", [first, second])
+    assert sorted(p.name for p in (out / "step-30" / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    for pid in [second.pid, *children(second.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    second.wait()
+    (log,) = finish([first])
+    assert "micro 8 x accumulation 2 x 1 ranks" in log, log[-3000:]
+    assert "resuming on 1 ranks from a 2-rank checkpoint" in log, log[-3000:]
+    assert (out / "step-120" / "dcp").is_dir()  # the lone agent's job went on sharded (a one-rank FSDP group)
+    a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (reference, out))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
 # ------------------------------------------------------------------------------------------------ bad environments
 
 @pytest.mark.parametrize("variables, named", [

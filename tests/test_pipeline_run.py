@@ -160,6 +160,10 @@ def test_kill_9_in_the_middle_of_stages_then_run_again_gives_the_same_results_bi
     # of its inputs, for ever, with advice `bertrain run` has no flag for)
     out = out.rename(tmp_path / "moved")
     plan = dry_run(out)
+    # `bertrain info` lists the whole plan in its order, the stages not started too (stages.json)
+    info = json.loads(bertrain(["info", "--model", str(out), "--json"]).stdout)["run"]
+    assert [s["name"] for s in info["stages"]] == list(plan)
+    assert [s["name"] for s in info["stages"] if not s["not_started"]] == ["vocab", "prepare", "pretrain-phase1"]
     actions = [a for a, _ in plan.values()]
     assert "resume" in actions and actions.index("resume") == actions.count("skip")  # done, then the cut one
     assert run_until(argv(out), out / "finetune-pydoc-topics-pretrained-s2" / "stage-started.json")

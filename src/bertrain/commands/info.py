@@ -227,7 +227,7 @@ def _stage_state(folder: Path) -> dict[str, Any]:
     started = _read_json(folder / "stage-started.json") or {}
     return {"name": folder.name, "complete": done is not None, "started": started.get("started"),
             "finished": (done or {}).get("finished"), "wall_s": (done or {}).get("wall_s"),
-            "summary": (done or {}).get("summary")}
+            "summary": (done or {}).get("summary"), "not_started": False}
 
 
 def pipeline_summary(folder: Path) -> dict[str, Any]:
@@ -239,18 +239,27 @@ def pipeline_summary(folder: Path) -> dict[str, Any]:
 
     record = read_run(folder) or {}
     recipe = _read_yaml(folder / "recipe.yaml") or {}
-    stages = sorted((_stage_state(d) for d in folder.iterdir()
-                     if d.is_dir() and ".replaced-" not in d.name and (d / "stage-started.json").is_file()),
-                    key=lambda st: _stage_rank(st["name"]))
-    by_name = {st["name"]: st for st in stages}
+    started = sorted((_stage_state(d) for d in folder.iterdir()
+                      if d.is_dir() and ".replaced-" not in d.name and (d / "stage-started.json").is_file()),
+                     key=lambda st: _stage_rank(st["name"]))
+    by_name = {st["name"]: st for st in started}
+    # stages.json: the whole plan in its order (written by `bertrain run` since session 18; older folders have
+    # only the stages that started, ordered by their names)
+    plan = [p.get("name") for p in (_read_json(folder / "stages.json") or {}).get("stages") or []
+            if isinstance(p, dict) and isinstance(p.get("name"), str)]
+    stages = [by_name.get(name) or {"name": name, "complete": False, "started": None, "finished": None,
+                                        "wall_s": None, "summary": None, "not_started": True} for name in plan]
+    stages += [st for st in started if st["name"] not in plan]  # a folder of an earlier plan (the recipe changed)
     holder = _lock_holder(folder)
     if holder:
         state = f"running: in use by {holder}"
     elif by_name.get("report", {}).get("complete"):
         state = "finished"
     else:
-        left = [st["name"] for st in stages if not st["complete"]]
+        left = [st["name"] for st in started if not st["complete"]]
+        waiting = sum(bool(st.get("not_started")) for st in stages)
         state = ("not finished" + (f": {', '.join(left)} started but not complete" if left else "")
+                 + (f"{'; ' if left else ': '}{waiting} stage{'s' * (waiting != 1)} not started" if waiting else "")
                  + "; the same `bertrain run` command continues it (finished stages are skipped)")
     pretrained = [folder / st["name"] / "final" for st in stages
                   if st["name"].startswith("pretrain-") and st["complete"]]
@@ -328,7 +337,8 @@ def run_lines(run: dict[str, Any]) -> list[str]:
             summary = _numbers(st.get("summary") or {})
             wall = st.get("wall_s")
             took = (f"{wall:.0f} s" if wall >= 10 else f"{wall:.1f} s") if isinstance(wall, (int, float)) else ""
-            lines.append(f"    {st['name']:44s} {'complete' if st['complete'] else 'NOT COMPLETE':12s} {took:>7s}"
+            mark = "complete" if st["complete"] else "not started" if st.get("not_started") else "NOT COMPLETE"
+            lines.append(f"    {st['name']:44s} {mark:12s} {took:>7s}"
                          + (f"  {summary}" if summary else ""))
         for r in run.get("results") or []:
             inits = ", ".join(f"{init} {_num(v['mean'])}" + (f" +- {_num(v['std'])}" if v["seeds"] > 1 else "")

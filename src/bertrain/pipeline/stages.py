@@ -957,6 +957,9 @@ def run_stages(recipe: Recipe, stages: list[Stage], overwrite: bool = False) -> 
         # the stages' MLflow parent is this run folder's (run.json), ended with the command (train/trackers.py)
         if dist.is_main:
             atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
+            # the plan, in order: `bertrain info` lists the stages not started yet too (commands/info.py)
+            atomic_write_text(run_dir / "stages.json", json.dumps(
+                {"stages": [{"name": s.name, "what": s.what} for s in stages]}, indent=1) + "\n")
         for stage in stages:
             if stage.resolve is not None:  # the stages it reads are done: its settings are known now
                 apply_resolved(stage, on_rank0(f"choose the settings of stage {stage.name}",
