@@ -55,5 +55,6 @@ def test_batched_cleaning_equals_one_document_at_a_time_on_real_corpora(rel):
 
 
 def test_clean_document_controls_and_nfc():
+    # No NFC (a cased tokenizer would then see another text than fine-tuning and serving: test_audit_unicode.py)
     out = clean_document("Cafe\u0301 au lait\x00 is\u200b good. Next one.", "text")
-    assert out == ["Caf\u00e9 au lait is good.", "Next one."]
+    assert out == ["Cafe\u0301 au lait is good.", "Next one."]

@@ -1,9 +1,18 @@
 """Cleaning: raw document text -> normalised sentences (run in the worker processes of `prepare`).
 
-`clean_documents` normalises (NFC, control characters removed, spaces collapsed), drops decoration lines, and
-splits into sentences (`split_sentences`) by the rules of the document's kind: `lines` (one sentence per line),
-`wiki` (markup stripped by `bertrain.data.wikitext`, every line a paragraph), `text`/`paragraphs` (blank lines
+`clean_documents` normalises (control characters removed, spaces collapsed, line ends unified), drops decoration
+lines, and splits into sentences (`split_sentences`) by the rules of the document's kind: `lines` (one sentence per
+line), `wiki` (markup stripped by `bertrain.data.wikitext`, every line a paragraph), `text`/`paragraphs` (blank lines
 separate paragraphs, single newlines are soft).
+
+Apart from what it drops on purpose (decoration lines, wiki markup), cleaning changes no WordPiece id of a text,
+only where sentences end: the characters it deletes are those BERT's tokenizer deletes too (BertNormalizer's
+clean_text), the ones it turns into spaces or line ends are white space to it. Fine-tuning, `predict` and `serve`
+tokenize raw text with HF's BertTokenizerFast rules (what a user of an exported model runs), so pretraining sees the
+same ids for the same text. No Unicode normalisation (NFC) here: a cased tokenizer keeps the form it is given
+(decomposed 'e\u0301' is not 'é' to it), and text normalised only in pretraining would be another input at
+fine-tuning and serving time (an uncased one applies NFD itself).
+tests/test_audit_unicode.py checks cleaned-then-tokenized text against HF on raw multilingual text.
 """
 from __future__ import annotations
 
@@ -14,11 +23,14 @@ import unicodedata
 MAX_SENTENCE_CHARS = 4000
 
 
-# C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8.
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
+# C0/C1 controls except tab/newline, zero-width chars, BOM, and U+FFFD left by invalid UTF-8: all of them deleted
+# by BERT's tokenizer as well (categories Cc/Cf, U+FFFD). Not U+2028/U+2029 (line and paragraph separators): white
+# space to the tokenizer, deleting them joined the words around them ("end\u2029Next" became one word), so they
+# become line ends (`normalize_text`).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\ufeff\ufffd]")
 _ASCII_CONTROL = bytes([*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0e, 0x20), 0x7f])  # _CONTROL's ASCII part
 _ASCII_CONTROL_BUT_NUL = _ASCII_CONTROL[1:]
-_CONTROL_BUT_NUL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff\ufffd]")
+_CONTROL_BUT_NUL = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\ufeff\ufffd]")
 # Runs of 2+ spaces, or one space that is not " ": a plain single space matches nothing, so the usual text costs
 # no substitutions (matching every single space was most of `normalize_text`'s time). Same output as
 # `[...]+` -> " ".
@@ -32,18 +44,21 @@ _SPACE_RUN = re.compile("  [ ]*")  # = " {2,}", but written so that re searches 
 
 
 def normalize_text(text: str, keep_nul: bool = False) -> str:
-    """NFC normalisation, control characters removed, runs of spaces collapsed (newlines kept).
+    """Control characters removed, runs of spaces collapsed, line ends unified (CR, CRLF and U+2028 -> newline,
+    U+2029 -> a blank line: a paragraph break); no Unicode normalisation (see the module's docstring).
 
     `keep_nul` keeps NUL characters (the document separator of `clean_documents`)."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if text.isascii():  # O(1) in CPython. NFC is the identity; bytes.translate deletes controls faster than re
+    if text.isascii():  # O(1) in CPython. bytes.translate deletes controls faster than re
         raw = text.encode("ascii")
         kept = raw.translate(None, _ASCII_CONTROL_BUT_NUL if keep_nul else _ASCII_CONTROL)
         if len(kept) != len(raw):
             text = kept.decode("ascii")
         odd_space = "\t" in text
     else:
-        text = (_CONTROL_BUT_NUL if keep_nul else _CONTROL).sub("", unicodedata.normalize("NFC", text))
+        if "\u2028" in text or "\u2029" in text:
+            text = text.replace("\u2028", "\n").replace("\u2029", "\n\n")
+        text = (_CONTROL_BUT_NUL if keep_nul else _CONTROL).sub("", text)
         odd_space = _ODD_SPACE.search(text) is not None
     # Python's re tries a match at every candidate position (every space, for `_SPACES`); a single-class search
     # and a literal search are C scans. So clean text skips the substitution, and text whose only odd spacing is
@@ -152,6 +167,30 @@ vs etc al e.g i.e viz e.g. i.e. a.m p.m u.s u.k
 """.split())
 
 
+def _splits_words(c: str) -> bool:
+    """Whether BERT's pre-tokenizer ends a word at `c`: white space, punctuation (ASCII or category P*) and the CJK
+    ideographs its normaliser puts spaces around (transformers' `_is_chinese_char`)."""
+    o = ord(c)
+    return (c.isspace() or 0x21 <= o <= 0x2f or 0x3a <= o <= 0x40 or 0x5b <= o <= 0x60 or 0x7b <= o <= 0x7e
+            or 0x4e00 <= o <= 0x9fff or 0x3400 <= o <= 0x4dbf or 0x20000 <= o <= 0x2ceaf or 0xf900 <= o <= 0xfaff
+            or 0x2f800 <= o <= 0x2fa1f or (o > 0x7f and unicodedata.category(c)[0] == "P"))
+
+
+def _word_cut(s: str, max_chars: int) -> int:
+    """Where to cut a sentence with no space in its last half before `max_chars` (CJK or Thai text, emoji runs):
+    the last place before `max_chars` where a word ends for BERT, else the first one after it (an unbroken run of
+    thousands of characters is one [UNK] word: cut, it was two or more), else at `max_chars` as before. A cut inside
+    a word (a kana run, a letter and its accent, an emoji sequence) gave pretraining other ids than the same text
+    gets in fine-tuning and serving."""
+    for i in range(max_chars, max_chars // 2, -1):
+        if _splits_words(s[i - 1]) or _splits_words(s[i]):
+            return i
+    for i in range(max_chars + 1, min(len(s), 2 * max_chars)):
+        if _splits_words(s[i - 1]) or _splits_words(s[i]):
+            return i
+    return len(s) if len(s) <= 2 * max_chars else max_chars
+
+
 def split_sentences(paragraph: str, max_chars: int = MAX_SENTENCE_CHARS) -> list[str]:
     """Split one paragraph (no newlines) into sentences; sentences longer than `max_chars` are cut at spaces."""
     return _split_marked(paragraph.replace(_PARA_MARK, " ").replace(_DOC_MARK, " "), max_chars)[0]
@@ -168,7 +207,7 @@ def _split_marked(text: str, max_chars: int) -> list[list[str]]:
         s = s.strip()
         while len(s) > max_chars:
             cut = s.rfind(" ", max_chars // 2, max_chars)
-            cut = cut if cut > 0 else max_chars
+            cut = cut if cut > 0 else _word_cut(s, max_chars)
             out.append(s[:cut].strip())
             s = s[cut:].strip()
         if s:

@@ -40,7 +40,7 @@ from bertrain.model.hf import model_class_for
 from bertrain.tasks.common import load_task_tokenizer
 from bertrain.tasks.glue import TASKS as GLUE_TASKS
 from bertrain.tasks.squad import (SquadExample, SquadFeatureConfig, SquadPostprocessConfig, build_features,
-                                  load_dataset_json, postprocess_predictions)
+                                  load_dataset_json, postprocess_predictions, refuse_lone_surrogates)
 from bertrain.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -462,10 +462,12 @@ def read_squad_items(path: str) -> list[dict[str, Any]]:
             context = para.get("context")
             if not isinstance(context, str) or not context.strip():
                 raise ValueError(f"{path}: article {ai} paragraph {pi}: no 'context' text")
+            refuse_lone_surrogates(context, f"{path}: article {ai} paragraph {pi}: 'context'")
             for qa in para["qas"]:
                 question = qa.get("question")
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError(f"{path}: question id {qa['id']}: no 'question' text")
+                refuse_lone_surrogates(question, f"{path}: question id {qa['id']}: 'question'")
                 if qa["id"] in seen:
                     raise ValueError(f"{path}: question id {qa['id']} appears twice: its answers would overwrite each "
                                      "other in predictions.json")
@@ -527,17 +529,13 @@ def read_items(f: TextIO, name: str, fmt: str, task: str, pair: bool | None = No
         for key, value in fields.items():
             if not value.strip():
                 raise ValueError(f"{where}: '{key}' is empty")
-            bad = _SURROGATE.search(value)
-            if bad:  # a JSON escape such as \ud800: no character, and the tokenizer cannot take it
-                raise ValueError(f"{where}: '{key}' holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
-                                 f"character {bad.start() + 1}: not text; fix the JSON escape")
+            refuse_lone_surrogates(value, f"{where}: '{key}'")
         obj["id"] = str(obj["id"]) if obj.get("id") is not None else str(index)
         index += 1
         yield obj
 
 
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, under errors="surrogateescape"
-_SURROGATE = re.compile("[\ud800-\udfff]")  # in a decoded JSON string: an escaped lone surrogate
 
 
 def _lines(f: TextIO, name: str) -> Iterator[tuple[int, str]]:

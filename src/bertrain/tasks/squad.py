@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import os
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +170,8 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
             if not isinstance(qas, list):
                 raise ValueError(f"{path}: article {ai} paragraph {pi} has no 'qas' list")
             context = para.get("context")
+            if isinstance(context, str):
+                refuse_lone_surrogates(context, f"{path}: article {ai} paragraph {pi}: 'context'")
             for qa in qas:
                 if not isinstance(qa, dict) or not isinstance(qa.get("id"), str) or not qa["id"]:
                     raise ValueError(f"{path}: article {ai} paragraph {pi}: a question without an 'id'")
@@ -182,6 +185,7 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
                 question = qa.get("question")
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError(f"{where}: empty question")
+                refuse_lone_surrogates(question, f"{where}: 'question'")
                 is_impossible = qa.get("is_impossible")
                 if is_impossible not in (None, True, False):  # bool("false") is True: the question would flip
                     raise ValueError(f"{where}: 'is_impossible' must be true or false, got {is_impossible!r}")
@@ -206,6 +210,20 @@ def read_squad(path: str | os.PathLike, version_2_with_negative: bool | None = N
     if not examples:
         raise ValueError(f"{path}: no questions")
     return examples
+
+
+# A lone UTF-16 surrogate: what JSON's "\ud83d" escape decodes to when its pair was cut off (scraped text cut inside
+# an emoji). No character: the tokenizer refuses the string (a TypeError deep in feature building, no file or
+# question named), so fine-tuning and `bertrain predict` refuse it while reading (`serve` has its own request checks).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def refuse_lone_surrogates(text: str, where: str) -> None:
+    """ValueError naming `where`, the code point and its position if `text` holds a lone surrogate."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise ValueError(f"{where} holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at character "
+                         f"{bad.start() + 1}: not text (a JSON escape cut from its pair); fix the JSON escape")
 
 
 def _check_answer(a: Any, context: str, where: str) -> None:
