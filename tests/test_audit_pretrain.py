@@ -79,6 +79,35 @@ def test_raw_text_cased_otherwise_than_the_init_model_is_refused_before_anything
     assert not (out / "vocab").exists() and not (out / "data").exists()
 
 
+@pytest.mark.parametrize("setting, named", [({"strip_accents": False}, "strip_accents = false"),
+                                             ({"tokenize_chinese_chars": False}, "tokenize_chinese_chars = false")])
+def test_an_init_model_with_tokenizer_rules_prepare_does_not_apply_is_refused(minilm_path, tmp_path, capsys,
+                                                                              setting, named):
+    """A model whose tokenizer_config.json keeps accents while lowercasing, or does not split CJK characters, is
+    fine-tuned and served with those rules (tasks.common.load_task_tokenizer) but `prepare` applies BERT's defaults:
+    continued pretraining learned other ids than the model is used with, silently. Refused before any work; a model
+    that sets the defaults explicitly runs."""
+    import json
+    import shutil
+
+    init = tmp_path / "model"
+    shutil.copytree(minilm_path, init)
+    config = json.loads((init / "tokenizer_config.json").read_text())
+    (init / "tokenizer_config.json").write_text(json.dumps({**config, **setting}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "run"
+    code = main(_raw_argv(init, corpus, out))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert "config key 'model.init'" in line and named in line and str(init / "tokenizer_config.json") in line
+    assert not (out / "vocab").exists() and not (out / "data").exists()
+    (init / "tokenizer_config.json").write_text(json.dumps({**config, "strip_accents": None,
+                                                             "tokenize_chinese_chars": True}))
+    assert main(_raw_argv(init, corpus, tmp_path / "defaults")) == 0
+
+
 def test_a_position_override_on_an_init_model_is_named_not_blamed_on_the_sample_length(minilm_path, tmp_path,
                                                                                       capsys):
     """MiniLM has 512 positions: phase 2 at 256 with a stray `model.max_position_embeddings: 128` was refused as

@@ -47,7 +47,7 @@ def read_do_lower_case(model_dir: str | os.PathLike) -> bool:
     return bool(data.get("do_lower_case", True))
 
 
-def _basic_tokenizer_settings(model_dir: Path) -> tuple[bool | None, bool]:
+def basic_tokenizer_settings(model_dir: Path) -> tuple[bool | None, bool]:
     """`strip_accents` (None: as lowercasing) and `tokenize_chinese_chars` from tokenizer_config.json, as
     transformers' BertTokenizer reads them: a model saved with strip_accents false (lowercased, accents kept) was
     tokenized otherwise than in transformers."""
@@ -89,7 +89,7 @@ def load_task_tokenizer(model_dir: str | os.PathLike, do_lower_case: bool | None
             do_lower_case = lower  # the casing its normalizer applies
     if do_lower_case is None:
         do_lower_case = read_do_lower_case(model_dir)
-    strip_accents, chinese = _basic_tokenizer_settings(model_dir)
+    strip_accents, chinese = basic_tokenizer_settings(model_dir)
     wp = BertWordPieceTokenizer(source, lowercase=do_lower_case, strip_accents=strip_accents, clean_text=True,
                                 handle_chinese_chars=chinese)
     tok = wp._tokenizer  # the underlying `tokenizers.Tokenizer`

@@ -357,6 +357,8 @@ def build_model(cfg: PretrainConfig, vocab_size: int, tokenizer_files: dict[str,
         init_lower = _recorded_lower_case(Path(model_dir_or_name(m.init)))
         if tokenizer_files and init_lower is not None and init_lower != cfg.data.do_lower_case:
             raise ValueError(_casing_message(cfg, init_lower))
+        if tokenizer_files:
+            _check_init_tokenizer_rules(cfg, Path(model_dir_or_name(m.init)), init_lower)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"config key 'model.init': {m.init} has vocab_size {model.config.vocab_size} but the "
                              f"data's vocabulary has {vocab_size} entries")
@@ -500,6 +502,30 @@ def check_init_casing(cfg: PretrainConfig) -> None:
     lower = _recorded_lower_case(resolve_model_dir(m.init))
     if lower is not None and lower != d.do_lower_case:
         raise UserError(_casing_message(cfg, lower))
+    _check_init_tokenizer_rules(cfg, resolve_model_dir(m.init), lower)
+
+
+def _check_init_tokenizer_rules(cfg: PretrainConfig, folder: Path, init_lower: bool | None) -> None:
+    """Refuse a `model.init` whose tokenizer_config.json sets rules `bertrain prepare` does not apply: prepare
+    tokenizes with BERT's defaults (accents stripped exactly when lowercasing, CJK ideographs split), while
+    fine-tuning, predict and serve follow the folder's `strip_accents` / `tokenize_chinese_chars`
+    (`tasks.common.load_task_tokenizer`), so its continued pretraining would learn other ids than it is used with."""
+    from bertrain.tasks.common import basic_tokenizer_settings
+
+    try:
+        strip_accents, chinese = basic_tokenizer_settings(folder)
+    except ValueError as e:
+        raise UserError(f"config key 'model.init': {e}") from None
+    lower = cfg.data.do_lower_case if init_lower is None else init_lower
+    odd = ([f"strip_accents = {str(strip_accents).lower()} (with do_lower_case = {str(lower).lower()})"]
+           if strip_accents is not None and strip_accents != lower else [])
+    odd += ["tokenize_chinese_chars = false"] if not chinese else []
+    if odd:
+        raise UserError(f"config key 'model.init': {folder / 'tokenizer_config.json'} sets {' and '.join(odd)}, "
+                        "which `bertrain prepare` does not apply (it strips accents exactly when lowercasing and "
+                        "splits CJK characters, BERT's defaults): continued pretraining would learn other token ids "
+                        "than the model is fine-tuned and served with. Start from a model with BERT's default "
+                        "tokenizer rules")
 
 
 def _casing_message(cfg: PretrainConfig, init_lower: bool) -> str:
