@@ -87,8 +87,11 @@ def test_on_time_schedule_reaches_its_end_at_the_budget(tmp_path: Path, caplog) 
     assert "not bit-reproducible" in caplog.text
     assert f"step {result.state.step} " in caplog.text and f"step {result.state.step}/" not in caplog.text  # no limit
     lrs = [r["lr"] for r in _records(out) if "lr" in r]
-    # the last step starts at the budget: it uses (and logs) an lr near the end, after which the schedule is at 0
-    assert result.state.step > 1 and lrs[-1] < 0.01 * max(lrs)
+    # after the warmup the lr only falls, step by step, and the budget's end leaves the schedule at 0 (below). How near
+    # the end the last step's lr is depends on how long one step took: on a loaded machine 3-12 steps fit in the 2 s
+    # where an idle one takes ~300, so it is not asserted (the mapping of time to lr is, exactly, above)
+    peak = lrs.index(max(lrs))
+    assert result.state.step > 1 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
     last = ckpt.load_train_state(out / f"step-{result.state.step}")
     assert last["optimizer"]["param_groups"][0]["lr"] == 0.0
 
