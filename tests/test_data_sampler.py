@@ -67,7 +67,8 @@ def test_resume_mid_epoch_gives_the_same_batches():
     for _ in range(9):
         next(it)
     state = first.state_dict()
-    assert state == {"epoch": 0, "samples_consumed": 36, "seed": 3, "num_samples": 97}
+    # and the features' fingerprint, compared on resume (tests/test_audit_inputs.py)
+    assert state == {"epoch": 0, "samples_consumed": 36, "seed": 3, "num_samples": 97, "data": first.data_identity()}
     resumed = ArrayLoader(features, 4, seed=3)
     resumed.load_state_dict(state)
     got = list(resumed) + [b for _, b in zip(range(6), resumed)]  # the rest of epoch 0, then epoch 1
@@ -85,7 +86,9 @@ def test_resume_mid_epoch_gives_the_same_batches():
 
 def test_load_state_dict_refuses_other_seed_data_or_position():
     loader = ArrayLoader({"x": np.arange(40)}, 4, 0, 2, seed=7)
-    good = {"epoch": 1, "samples_consumed": 16, "seed": 7, "num_samples": 40}
+    good = {"epoch": 1, "samples_consumed": 16, "seed": 7, "num_samples": 40, "data": loader.data_identity()}
+    with pytest.raises(ValueError, match="changed since the run started"):  # the same count, other features
+        loader.load_state_dict({**good, "data": ArrayLoader({"x": np.arange(1, 41)}, 4, 0, 2, seed=7).data_identity()})
     with pytest.raises(ValueError, match="seed"):
         loader.load_state_dict({**good, "seed": 8})
     with pytest.raises(ValueError, match="samples per epoch"):

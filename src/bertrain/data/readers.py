@@ -10,7 +10,7 @@ are decompressed on the fly:
   `bertrain.data.wikitext`); redirects, non-article namespaces and (by default) disambiguation pages skipped; each
   article is a document, each line a paragraph.
 * `text`  (`.txt` and anything else): documents separated by blank lines (a file without blank lines is one
-  document); single newlines inside a document are soft (verse, wrapped paragraphs).
+  document, cut every `MAX_DOCUMENT_CHARS`); single newlines inside a document are soft (verse, wrapped paragraphs).
 * `lines` (BookCorpus style): one sentence per line, blank lines separate documents.
 * `jsonl` (`.jsonl`, `.json`, `.ndjson`): one JSON object per line, the text in `text_field`.
 * `parquet` (`.parquet`: the Hugging Face Hub's layout, LDDL's) and `arrow` (`.arrow`: the files of a `datasets`
@@ -306,6 +306,13 @@ def detect_format(path: str) -> str:
 # the same Unicode whitespace), each with its "\n", or the text's unterminated last line.
 _NON_BLANK_LINES = re.compile(r"(?:[^\n]*\S[^\n]*(?:\n|\Z))+")
 
+MAX_DOCUMENT_CHARS = 1 << 24
+"""A `text`/`lines` document that grows past this many characters (16 Mi: longer than any book or Wikipedia article)
+is cut at the end of the block of lines that crossed it, and the rest starts a new document. A file without blank
+lines (BookCorpus written one sentence per line with no blank line between books) was one document: held whole by
+the reader, then cleaned and tokenized by one worker at ~40 bytes per character (4 GB for a 100 MB file, one core
+busy, no random-next segments from other documents). Cuts are counted per file (`long_document_cuts`)."""
+
 
 def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8",
                progress: InputProgress | None = None) -> Iterator[RawDocument]:
@@ -315,25 +322,36 @@ def _read_text(path: str, kind: str, report: SkipReport, encoding: str = "utf-8"
     process's largest cost in `prepare`, while the workers waited for their first chunk: BENCHMARKS.md, plain-text
     reading). A run that
     reaches a block's end may go on in the next block; block ends are line ends (or pieces of over-long lines,
-    which count as lines)."""
+    which count as lines). A document is cut when it grows past `MAX_DOCUMENT_CHARS` (memory stays bounded)."""
     with CountingReader(path, progress) as reader:
         pending: list[str] = []  # the document being read, when it may go on in the next block
+        pending_chars = cuts = 0
         for block in text_blocks(reader, path, report, encoding):
             matched = False
             for m in _NON_BLANK_LINES.finditer(block):
                 matched = True
                 if pending and m.start() > 0:  # blank lines came first: the pending document is complete
                     yield RawDocument("".join(pending), kind, path)
-                    pending = []
+                    pending, pending_chars = [], 0
                 pending.append(m.group())
+                pending_chars += m.end() - m.start()
                 if m.end() < len(block):  # a blank line follows in this block
                     yield RawDocument("".join(pending), kind, path)
-                    pending = []
+                    pending, pending_chars = [], 0
+                elif pending_chars >= MAX_DOCUMENT_CHARS:  # no blank line for too long: cut at this line end
+                    cuts += 1
+                    yield RawDocument("".join(pending), kind, path)
+                    pending, pending_chars = [], 0
             if pending and not matched:  # a block of blank lines only
                 yield RawDocument("".join(pending), kind, path)
-                pending = []
+                pending, pending_chars = [], 0
         if pending:
             yield RawDocument("".join(pending), kind, path)
+        if cuts:
+            report.add(path, "long_document_cuts", cuts)
+            report.warn("%s: %d document(s) ran past %d characters without a blank line (are documents separated "
+                        "by blank lines?) and were cut at line ends into documents of about that size", path, cuts,
+                        MAX_DOCUMENT_CHARS)
         _account_file(reader, path, report)
 
 

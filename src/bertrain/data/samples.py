@@ -46,7 +46,7 @@ turns rows into training batches.
 """
 from __future__ import annotations
 
-import io
+import array
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -55,8 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from bertrain.data.store import TokenStore
-from bertrain.utils.io import atomic_write_bytes, atomic_write_json
+from bertrain.data.store import TokenStore, cache_lock, save_npy_atomic
+from bertrain.utils.io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -188,23 +188,35 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
     max_tokens = sample.max_seq_length - (3 if sample.next_sentence else 2)
     if splits_sentences(sample):
         return _token_windows(store, sample, seed, max_tokens)
-    start = np.arange(n_sent)
-    target = block_targets(sample, seed, start)
     doc_starts = np.asarray(store.document_starts, dtype=np.int64)
-    doc_of = np.repeat(np.arange(len(doc_starts) - 1), np.diff(doc_starts))
-    if sample.next_sentence:
-        # Sentences are added until the total reaches the target (sentence lengths are >= 1, so the first index
-        # whose offset reaches start + target is past `start`), or the document ends.
-        end = np.minimum(np.searchsorted(cum, cum[:-1] + target, side="left"), doc_starts[doc_of + 1])
-    else:
-        # Whole sentences while they fit (at least one), across documents. With document separators a block's
-        # length is in stream positions: from its first token to the end of its last sentence, the separators
-        # between its documents included (one at its edges is left out, as in `_token_windows`).
+    bounds, tail = np.zeros(0, np.int64), cum
+    if not sample.next_sentence:
         bounds = document_boundaries(store, sample)
-        head, tail = cum[:-1], cum
         if len(bounds):
-            head, tail = head + np.searchsorted(bounds, head, side="right"), tail + np.searchsorted(bounds, tail)
-        end = np.maximum(start + 1, np.searchsorted(tail, head + target, side="right") - 1)
+            tail = np.searchsorted(bounds, cum)  # (in place: one array of the sentences' size less at the peak)
+            tail += cum
+    # The ends are computed a slice of sentences at a time: the same numbers (each sentence's end depends on its own
+    # key and offsets only), while the temporaries of all sentences at once (keys, draws, targets, documents) took
+    # ~50 bytes per sentence at the peak: ~10 GB for Wikipedia + BookCorpus, in every rank that built the blocks.
+    end = np.empty(n_sent, np.int64)
+    for lo in range(0, n_sent, _END_SLICE):
+        hi = min(lo + _END_SLICE, n_sent)
+        start = np.arange(lo, hi)
+        target = block_targets(sample, seed, start)
+        if sample.next_sentence:
+            # Sentences are added until the total reaches the target (sentence lengths are >= 1, so the first index
+            # whose offset reaches start + target is past `start`), or the document ends.
+            doc_end = doc_starts[np.searchsorted(doc_starts, start, side="right")]
+            end[lo:hi] = np.minimum(np.searchsorted(cum, cum[lo:hi] + target, side="left"), doc_end)
+        else:
+            # Whole sentences while they fit (at least one), across documents. With document separators a block's
+            # length is in stream positions: from its first token to the end of its last sentence, the separators
+            # between its documents included (one at its edges is left out, as in `_token_windows`).
+            head = cum[lo:hi]
+            if len(bounds):
+                head = head + np.searchsorted(bounds, head, side="right")
+            end[lo:hi] = np.maximum(start + 1, np.searchsorted(tail, head + target, side="right") - 1)
+    del tail  # (the stream offsets: not needed by the walk below)
     if sample.next_sentence:  # every document starts a chain: follow all documents' chains together
         doc_end = doc_starts[1:]
         parts = []
@@ -216,14 +228,21 @@ def build_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarr
             head, stop = head[live], stop[live]
         first = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
     else:  # one chain over the whole corpus
-        nxt = end.tolist()
-        firsts = []
+        # Walked through a memoryview of `end` into an int64 array: end.tolist() and a list of the firsts cost
+        # ~40 bytes per sentence and block as Python ints (~6 GB at Wikipedia's 150M sentences), and were slower.
+        nxt = memoryview(np.ascontiguousarray(end, dtype=np.int64))
+        firsts = array.array("q")
         s = 0
         while s < n_sent:
             firsts.append(s)
             s = nxt[s]
-        first = np.asarray(firsts, dtype=np.int64)
-    return np.stack([first, end[first], doc_of[first]], axis=1)
+        first = np.frombuffer(firsts, dtype=np.int64) if len(firsts) else np.zeros(0, np.int64)
+    doc_of_first = np.searchsorted(doc_starts, first, side="right") - 1  # (the document holding each first)
+    return np.stack([first, end[first], doc_of_first], axis=1)
+
+
+_END_SLICE = 1 << 20
+"""Sentences per slice of `build_blocks`' vectorised part."""
 
 
 def block_targets(sample: SampleConfig, seed: int, first: np.ndarray) -> np.ndarray:
@@ -310,22 +329,36 @@ def load_blocks(store: TokenStore, sample: SampleConfig, seed: int) -> np.ndarra
     path = store.dir / "cache" / name
     last = (store.num_tokens + len(document_boundaries(store, sample)) if splits_sentences(sample)
             else store.num_sentences)
-    if path.is_file():
+    blocks = _cached_blocks(path, last)
+    if blocks is not None:
+        return blocks
+    with cache_lock(path):  # ranks that start together: one builds, the others wait and map its file
+        blocks = _cached_blocks(path, last)
+        if blocks is not None:
+            return blocks
+        blocks = build_blocks(store, sample, seed)
         try:
-            blocks = np.load(path)
-            if blocks.ndim == 2 and blocks.shape[1] == 3 and (len(blocks) == 0 or blocks[-1, 1] == last):
-                return blocks
-        except (OSError, ValueError):
-            pass
-        logger.warning("cache %s is unreadable; rebuilding it", path)
-    blocks = build_blocks(store, sample, seed)
-    buf = io.BytesIO()
-    np.save(buf, blocks)
+            save_npy_atomic(path, blocks)
+        except OSError as e:  # a read-only data folder still works, only slower to open
+            logger.warning("cannot cache blocks in %s: %s", path, e)
+            return blocks
+    return np.load(path, mmap_mode="r")  # (the copy built here is freed: every process reads the same pages)
+
+
+def _cached_blocks(path: Path, last: int) -> np.ndarray | None:
+    """The blocks cached at `path`, memory-mapped, or None (missing; unreadable or stale: a warning). Mapped: one
+    copy in the page cache for every process that opens the store (training ranks and their loader workers,
+    prepare's workers) instead of 24 bytes per block in each (~1 GB per process for Wikipedia + BookCorpus)."""
+    if not path.is_file():
+        return None
     try:
-        atomic_write_bytes(path, buf.getvalue())
-    except OSError as e:  # a read-only data folder still works, only slower to open
-        logger.warning("cannot cache blocks in %s: %s", path, e)
-    return blocks
+        blocks = np.load(path, mmap_mode="r")
+        if blocks.ndim == 2 and blocks.shape[1] == 3 and (len(blocks) == 0 or blocks[-1, 1] == last):
+            return blocks
+    except (OSError, ValueError):
+        pass
+    logger.warning("cache %s is unreadable; rebuilding it", path)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- instances

@@ -67,7 +67,7 @@ from bertrain.train.config import DistributedConfig, resolve_batch
 from bertrain.train.distributed import DistInfo, distributed_context, on_rank0
 from bertrain.train.evaluation import maximises
 from bertrain.train.launch import launch_env
-from bertrain.train.resume import EXACT_KEYS, check_shared_output
+from bertrain.train.resume import ADDED_KEYS, EXACT_KEYS, PACKING_ONLY_KEYS, check_shared_output
 from bertrain.train.trackers import pipeline_parent
 from bertrain.utils.errors import RunStopped, UserError
 from bertrain.utils.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -801,13 +801,59 @@ def output_identity(stage: Stage) -> dict[str, str] | None:
     return out
 
 
+def _plain(value: Any) -> Any:
+    """A value as its record holds it (JSON: tuples are lists)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def recorded_as_now(stage: Stage, record: dict[str, Any], upstream: dict[str, Decision]) -> bool:
+    """Whether a stage's record (stage.json or stage-started.json, of an older bertrain) differs from its parts now
+    only by keys the hash did not cover then: a key added to the engine since, at the value that does what the
+    bertrain that wrote it did (`train.resume.ADDED_KEYS`; a packing key of an NSP run), or a key hashed since
+    (`RESULT_KEYS`) at the value the stage ran with (its stage-config.yaml), or a key no longer hashed (`EXACT_KEYS`
+    since); with the same inputs, and each stage it
+    read kept, with the hash the record names. Before, every stage of an older run folder was redone after an
+    upgrade (its folder moved aside): a week of pretraining for `data.text_column: None -> 'text'`."""
+    parts = record.get("parts") or {}
+    old, new = parts.get("settings") or {}, _plain(stage.parts.get("settings") or {})
+    if parts.get("inputs") != _plain(stage.inputs):
+        return False
+    if any(key not in RESULT_KEYS and not key.startswith(EXACT_KEYS) for key in set(old) - set(new)):
+        return False  # a key the hash still covers, gone: not a key that keeps the result since (metrics.*)
+    ran: dict[str, Any] | None = None
+    for key, value in new.items():
+        if key in old:
+            if old[key] != value:
+                return False
+            continue
+        if ran is None:
+            try:
+                ran = _plain(flatten(yaml.safe_load((stage.folder / "stage-config.yaml").read_text()) or {}))
+            except (OSError, yaml.YAMLError):
+                ran = {}
+        if key in ran:
+            same = ran[key] == value
+        elif key in ADDED_KEYS:
+            same = _plain(ADDED_KEYS[key]) == value
+        else:  # a packing key, added since, means nothing to an NSP run
+            same = key in PACKING_ONLY_KEYS and new.get("sample.next_sentence", True) is not False
+        if not same:
+            return False
+    recorded = parts.get("upstream") or {}
+    if set(recorded) != set(stage.deps):
+        return False
+    return all(upstream[n].action == "skip" and
+               (_read_json(stage.folder.parent / n / STAGE_FILE) or {}).get("hash") == recorded[n]
+               for n in stage.deps)
+
+
 def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
     """What to do with `stage` now (see the module docstring); `upstream` holds the decisions already taken."""
     done = _read_json(stage.folder / STAGE_FILE)
     started = _read_json(stage.folder / STARTED_FILE)
     moved = [n for n in stage.deps if upstream[n].action != "skip"]
     if done is not None:
-        if done.get("hash") != stage.hash:
+        if done.get("hash") != stage.hash and not recorded_as_now(stage, done, upstream):
             return Decision("redo", _what_changed(done.get("parts", {}), stage.parts))
         if moved:
             return Decision("redo", f"stage {moved[0]} runs again")
@@ -815,7 +861,7 @@ def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
             return Decision("redo", "an output file was changed or removed since it completed")
         return Decision("skip", "complete; settings and inputs unchanged")
     if started is not None:
-        if started.get("hash") == stage.hash:
+        if started.get("hash") == stage.hash or recorded_as_now(stage, started, upstream):
             if moved:  # a stage it read runs again (e.g. an output of it was changed or removed): the cut attempt
                 # began from what that stage left before, so it starts over, as a complete one would (before: resumed)
                 return Decision("redo", f"interrupted, and stage {moved[0]} runs again")

@@ -253,8 +253,11 @@ class FeatureTask:
 
     def __init__(self, name: str, kind: str, init: str, feats: dict[str, np.ndarray], seed: int,
                  num_labels: int = 2, labels: tuple[str, ...] | None = None, dev: DevEval | None = None,
-                 metric_names: tuple[str, ...] | None = None, model_files: dict[str, Any] | None = None) -> None:
+                 metric_names: tuple[str, ...] | None = None, model_files: dict[str, Any] | None = None,
+                 data_name: str = "the training set") -> None:
         self.name, self.kind, self.init, self.seed, self.num_labels = name, kind, init, seed, num_labels
+        self.data_name = data_name
+        """The input the features come from, as a resume refused for other features names it."""
         self.model_files = model_files or {}
         """{name: JSON} written beside the weights of every model folder the run keeps (final/, best/): task.json,
         the settings `bertrain predict` and `serve` read."""
@@ -271,8 +274,10 @@ class FeatureTask:
         return self.dev(model, dist, precision)
 
     def build_loader(self, dist: DistInfo, plan: BatchPlan) -> ArrayLoader:
-        return ArrayLoader(self.arrays, plan.micro_batch_size, dist.rank, dist.world_size, self.seed,
-                           pad_multiple=plan.global_batch_size)
+        loader = ArrayLoader(self.arrays, plan.micro_batch_size, dist.rank, dist.world_size, self.seed,
+                             pad_multiple=plan.global_batch_size)
+        loader.data_name = self.data_name
+        return loader
 
     def build_model(self) -> nn.Module:
         model = load_model(self.kind, self.init, self.num_labels)
@@ -491,7 +496,9 @@ def run_squad(cfg: SquadFinetuneConfig, resume: str | None = None, overwrite: bo
             examples, feats = features(train_path, True)
             run = Trainer(cfg, dist).fit(FeatureTask("squad", "qa", init, feats, cfg.seed, dev=dev,
                                                      metric_names=metric_names if dev else None,
-                                                     model_files=squad_model_files(d, v2)),
+                                                     model_files=squad_model_files(d, v2),
+                                                     data_name=f"the training set (--train {d.train_file}, "
+                                                               "tokenized by --init's vocabulary)"),
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)
@@ -601,7 +608,9 @@ def run_glue(cfg: GlueFinetuneConfig, resume: str | None = None, overwrite: bool
                                         task, cfg)
             run = Trainer(cfg, dist).fit(FeatureTask(task.name, "cls", init, feats, cfg.seed, task.num_labels,
                                                      task.labels, dev, glue_metric_names(task.name),
-                                                     glue_model_files(task, d.max_seq_length)),
+                                                     glue_model_files(task, d.max_seq_length),
+                                                     f"the training split of --data-dir {d.data_dir} (tokenized by "
+                                                     "--init's vocabulary)"),
                                          resume, allow_config_change, on_eval)
             if run.stopped_by_signal:
                 raise _stopped(out_dir, run)

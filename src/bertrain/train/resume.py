@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 from bertrain.config import flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
@@ -251,6 +252,27 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, 
 PACKING_ONLY_KEYS = ("sample.split_sentences", "sample.document_separator")
 """Sample keys that only MLM-only packing reads (`sample.next_sentence: false`)."""
 
+ADDED_KEYS: dict[str, Any] = {
+    "data.encoding": "utf-8", "data.text_column": "text",  # how raw input is read: utf-8, JSONL's "text"
+    "data.heldout_fraction": None, "data.heldout_min_documents": None,  # prepare's own defaults
+    "optim.init_state": None,  # moments from zero
+    "schedule.on_time": False,  # the schedule follows the steps
+    "parallelism.param_dtype": "auto", "parallelism.reduce_dtype": "fp32",  # FSDP's dtypes before they moved
+    # evaluation while training: none, so no early stop, no target, and the run ended with its last weights
+    "eval.final": "last", "eval.metric": "", "eval.patience": 0, "eval.min_delta": 0.0, "eval.target": None,
+    "eval.max_samples": 2048,  # decides only the numbers of evaluations an older run never made
+    # EXACT_KEYS that a pipeline stage's hash covers (pipeline.stages.RESULT_KEYS) and older bertrains lacked
+    "eval.enabled": True, "train.max_time": "",
+}
+"""Keys of the run-changing kind (not in `EXACT_KEYS`) added after run folders existed, each at the value that
+does what a bertrain without the key did. A checkpoint's config.yaml written before a key existed is read with
+it (`keys_of_before`): an older run resumed under today's defaults is the same run and is not refused for keys it
+could not have had (before, every one of them was a change `None -> default`), and a value that would change it
+(fine-tuning's `eval.final: best`, where older runs ended with their last model) is listed as any other change,
+saying the key is new and which value continues the run as it began. The sample keys added since are
+`sample_keys_of_before`'s. A key added to a config dataclass later belongs here unless it is an `EXACT_KEYS` one
+(tests/test_audit_upgrade.py checks every key of today's configs against a config.yaml of before it)."""
+
 
 def sample_keys_of_before(data: dict[str, Any]) -> dict[str, Any]:
     """A saved config's `sample` section with the packing keys added since, at the value that gives the rows it
@@ -264,25 +286,150 @@ def sample_keys_of_before(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "sample": {**sample, **missing}} if missing else data
 
 
+def keys_of_before(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """A saved config `old` (nested) as dotted keys, with the keys that today's config `new` (dotted) has and it
+    lacks, added since it was written (`ADDED_KEYS`; the packing keys of `sample_keys_of_before`), at the value
+    that does what the bertrain that wrote it did; and the names of those keys."""
+    flat = flatten(sample_keys_of_before(old))
+    added = {k for k in PACKING_ONLY_KEYS if k in flat} - set(flatten(old))
+    for key, value in ADDED_KEYS.items():
+        if key in new and key not in flat:
+            flat[key] = value
+            added.add(key)
+    return flat, added
+
+
+def _as_flag(key: str, value: Any) -> str:
+    """The command-line option that sets `key` to `value` (--eval.final last)."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"--{key} {text}"
+
+
+def same_length(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether train.epochs cannot matter: the same train.steps > 0 on both sides (steps win over epochs; a
+    default of epochs that changed since, fine-tuning's 0 -> 2, is not a change of a run with its steps set)."""
+    steps = old.get("train.steps")
+    return isinstance(steps, int) and steps > 0 and steps == new.get("train.steps")
+
+
 def check_config(path: Path, cfg: TrainerConfig, allow_change: bool) -> dict[str, tuple]:
     """Compare `cfg` with the checkpoint's config.yaml; returns the run-changing differences that are allowed."""
     saved = path / "config.yaml"
     if not saved.is_file():
         return {}
-    old = sample_keys_of_before(upgrade_keys(load_file(saved), warn=False))  # keys since moved or added
-    taken, changing = config_changes(old, to_dict(cfg))
-    if flatten(old).get("sample.next_sentence") is not False and getattr(getattr(cfg, "sample", None),
-                                                                         "next_sentence", False):
+    new = flatten(to_dict(cfg))
+    old, added = keys_of_before(upgrade_keys(load_file(saved), warn=False), new)  # keys since moved or added
+    taken, changing = config_changes(old, new)
+    if old.get("sample.next_sentence") is not False and getattr(getattr(cfg, "sample", None),
+                                                                "next_sentence", False):
         for key in PACKING_ONLY_KEYS:  # they mean nothing to an NSP run: absent from an older one, not a change
             changing.pop(key, None)
+    if "train.epochs" in changing and same_length(old, new):
+        taken["train.epochs"] = changing.pop("train.epochs")
+    new_keys = {k: b for k, (a, b) in taken.items() if k not in old or k in added}
     for key, (a, b) in taken.items():
-        log.info("resuming with %s = %r (was %r)", key, b, a)
+        if key not in new_keys:
+            log.info("resuming with %s = %r (was %r)", key, b, a)
+    if new_keys:  # one line: an older run lacks whole sections (metrics, profile, ...)
+        log.info("resuming with %d keys added since the bertrain that wrote the checkpoint: %s", len(new_keys),
+                 ", ".join(f"{k}={v!r}" for k, v in new_keys.items()))
     if changing and not allow_change:
-        listed = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changing.items())
+        listed = "\n".join(f"  {k}: {a!r} -> {b!r}" + (f" (a key added since the bertrain that wrote the "
+                                                       f"checkpoint, which ran as {a!r}: {_as_flag(k, a)} "
+                                                       "continues the run as it began)" if k in added else "")
+                           for k, (a, b) in changing.items())
         raise UserError(f"--resume {path}: the config differs from the checkpoint's in keys that change the run:\n"
                         f"{listed}\nresume with the checkpoint's values (its config.yaml), or pass "
                         "--allow-config-change to apply them (the schedule is recomputed for the new length)")
     return changing
+
+
+NUMERICS = 1
+"""The revision of what a config computes, recorded in every checkpoint's train_state.pt (`"numerics"`, beside
+`"bertrain"`: the version) by `Trainer.save`. Bump it, with a `NUMERICS_CHANGES` entry, whenever the same config
+starts to give other numbers (a formula of an optimizer or a schedule): a run resumed across the change would
+otherwise mix the two silently."""
+
+NUMERICS_CHANGES: list[tuple[int, str, Callable[[dict[str, Any]], bool], str]] = [
+    (1, "2026-11-27", lambda flat: flat.get("optim.name") == "nvlamb",
+     "optim.name nvlamb became apex FusedLAMB as NVIDIA's BERT runs it (no trust ratio for biases and LayerNorm)"),
+    (1, "2026-11-27", lambda flat: flat.get("schedule.name") == "poly",
+     "schedule.name poly became NVIDIA's PolyWarmUpScheduler ((1 - t/total)^power over all steps, warmup "
+     "included: up to 0.15 of the peak lr apart)"),
+]
+"""(revision, date, whether a run's dotted config uses what changed, what changed): the changes of numerics."""
+
+
+def numerics_written(ts: dict[str, Any]) -> int | None:
+    """The `NUMERICS` revision a checkpoint was written with: recorded since it existed; 0 for a checkpoint without
+    the registry's `meter` entry (written before 2026-11-25, so before every change listed); None when unknown (a
+    checkpoint of 2026-11-25 to the marker: before or after the changes of 2026-11-27)."""
+    if isinstance(ts.get("numerics"), int):
+        return ts["numerics"]
+    return 0 if "meter" not in ts else None
+
+
+def schedule_drift(saved: dict[str, Any], scheduler: Any) -> tuple[int, float, float] | None:
+    """(step, lr the checkpoint recorded, lr this bertrain's schedule gives there) where they differ: the schedule's
+    formula changed since the checkpoint was written (a record of the old formula survives in every scheduler state,
+    so this catches a change nobody registered). None where they agree or the state does not say."""
+    try:
+        step = int(saved["last_epoch"])
+        recorded = [float(x) for x in saved["_last_lr"]]
+        ours = [float(base) * float(fn(step)) for base, fn in zip(saved["base_lrs"], scheduler.lr_lambdas)]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    for a, b in zip(recorded, ours):
+        if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1e-30):
+            return step, a, b
+    return None
+
+
+def past_warmup(ts: dict[str, Any], scheduler: Any) -> bool:
+    """Whether the checkpoint's step is past its schedule's warmup (where poly's two formulas part)."""
+    try:
+        return int(ts["scheduler"]["last_epoch"]) >= min(fn.warmup for fn in scheduler.lr_lambdas)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def check_numerics(path: Path, ts: dict[str, Any], cfg: TrainerConfig, scheduler: Any, allow_change: bool,
+                   recomputed: bool) -> None:
+    """Refuse a resume that would continue a run with other numbers than it began with, because bertrain changed
+    the maths of what its config uses since the checkpoint was written (`NUMERICS_CHANGES`, or a schedule whose
+    recorded lr this bertrain's formula does not give: `schedule_drift`; `recomputed`: the schedule is recomputed
+    anyway, for --allow-config-change). With --allow-config-change, a warning. Where the checkpoint cannot say
+    (written between 2026-11-25 and the marker), a warning names the change."""
+    flat = flatten(to_dict(cfg))
+    revision = numerics_written(ts)
+    applies = [(date, what) for rev, date, uses, what in NUMERICS_CHANGES
+               if uses(flat) and (revision is None or revision < rev)]
+    checked = not recomputed and not getattr(cfg.schedule, "on_time", False)
+    drift = schedule_drift(ts.get("scheduler") or {}, scheduler) if checked else None
+    if checked and drift is None and past_warmup(ts, scheduler):
+        # the recorded lr is this bertrain's formula, where the formulas differ: the schedule's change is not it
+        # (the evidence wins over the revision: a checkpoint rewritten to an older layout by hand or by a test)
+        applies = [(date, what) for date, what in applies if not what.startswith("schedule.")]
+    if not applies and drift is None:
+        return
+    whats = "; ".join(f"{what} on {date}" for date, what in applies)
+    seen = "" if drift is None else (f"its schedule gave lr {drift[1]:.6g} at step {drift[0]}, this bertrain's gives "
+                                     f"{drift[2]:.6g}")
+    if revision is None and drift is None:  # cannot tell
+        log.warning("--resume %s: the checkpoint does not record which bertrain wrote it; if that was one of before "
+                    "%s, this run continues with other numbers than it began with (%s)", path, applies[0][0], whats)
+        return
+    by = ("a bertrain of before 2026-11-25 (train_state.pt has no 'numerics' revision and no 'meter' entry)"
+          if revision == 0 else f"numerics revision {revision} (bertrain {ts.get('bertrain', '?')}), this is "
+          f"{NUMERICS}" if revision is not None else "an earlier bertrain")
+    message = (f"--resume {path}: written by {by}; since then {whats or 'the schedule changed'}"
+               + (f" ({seen})" if seen else "") + ": continuing would change the run's numbers from step "
+               f"{ts['state']['step']} on")
+    if allow_change:
+        log.warning("%s; continuing with this bertrain's (--allow-config-change)", message)
+        return
+    raise UserError(f"{message}. Finish the run with the bertrain that wrote it, or pass --allow-config-change to "
+                    "continue with this one's maths")
 
 
 def check_global_batch(path: Path, saved: dict[str, Any], plan: BatchPlan, allow_change: bool) -> None:
@@ -311,6 +458,51 @@ def check_global_batch(path: Path, saved: dict[str, Any], plan: BatchPlan, allow
                     f"{plan.global_batch_size}")
 
 
+def model_source(cfg: TrainerConfig) -> str:
+    """The input a run's model config comes from, as an error names it: fine-tuning's --init, pretraining's
+    model.init or a model.preset config.json, else the preset."""
+    if getattr(cfg, "init", None):
+        return f"--init {cfg.init}"
+    m = getattr(cfg, "model", None)
+    if getattr(m, "init", None):
+        return f"model.init {m.init}"
+    preset = str(getattr(m, "preset", ""))
+    return f"model.preset {preset}" if preset.endswith(".json") or Path(preset).is_file() else f"preset {preset!r}"
+
+
+def check_model_config(path: Path, model: Any, cfg: TrainerConfig, allow_change: bool) -> dict[str, tuple]:
+    """Compare the model this resume built (from the run's model input: `model_source`) with the checkpoint's
+    config.json. A config key that changes the model is refused by `check_config`; this catches the input itself
+    replaced since the run started (an --init or model.init folder swapped for a model of the same shape with
+    another dropout, activation or layer-norm eps: the weights come from the checkpoint, but the rest of the run
+    computed otherwise than a straight run, without a word). Refused unless `allow_change` (then a warning, and
+    the differences returned for metrics.jsonl's config_change event)."""
+    from bertrain.model.hf import config_from_json_file
+
+    config, saved = getattr(model, "config", None), path / "config.json"
+    if config is None or not saved.is_file():
+        return {}
+    try:
+        old = dataclasses.asdict(config_from_json_file(saved))
+    except (OSError, ValueError):
+        return {}
+    new = dataclasses.asdict(config)
+    diff = {f"config.json {k}": (old.get(k), v) for k, v in new.items()
+            if k != "pad_vocab_size_multiple" and old.get(k) != v}
+    if not diff:
+        return {}
+    listed = ", ".join(f"{k.split(' ', 1)[1]} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+    what = (f"the model built from {model_source(cfg)} differs from the one the run started with (its checkpoint's "
+            f"config.json): {listed}")
+    if allow_change:
+        log.warning("--resume %s: %s; continuing with the new values (--allow-config-change)", path, what)
+        return diff
+    vocab = (" (pretraining's vocab_size is its data's vocabulary: data.prepared's vocab.txt or data.vocab_file)"
+             if "config.json vocab_size" in diff else "")
+    raise UserError(f"--resume {path}: {what}. Was the model{vocab} replaced since the run started? Put back the one "
+                    "the run started from, or pass --allow-config-change to continue with these values")
+
+
 def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: TrainerConfig, plan: BatchPlan,
             allow_change: bool = False) -> dict[str, tuple]:
     """Load a checkpoint into the run's registry of states (`train/states.py`: every entry it holds); returns the
@@ -321,6 +513,8 @@ def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: Traine
                         f"{ts.get('version')}); start a new run or resume with the version that wrote it")
     changes = check_config(path, cfg, allow_change)
     check_global_batch(path, ts["batch"], plan, allow_change)
+    check_numerics(path, ts, cfg, states["scheduler"], allow_change, recomputed=bool(changes))
+    model_changes = check_model_config(path, states["model"], cfg, allow_change)
     model, optimizer, scheduler = states["model"], states["optimizer"], states["scheduler"]
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if "optim.name" in changes:
@@ -345,7 +539,7 @@ def restore(path: Path, states: dict[str, Stateful], dist: DistInfo, cfg: Traine
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
     log.info("resumed from %s at step %d (epoch %d, %d samples)", path, ts["state"]["step"], ts["state"]["epoch"],
              ts["state"]["samples"])
-    return changes
+    return {**changes, **model_changes}
 
 
 def init_optimizer_state(cfg: TrainerConfig, model: Any, optimizer: Any, dist: DistInfo) -> None:

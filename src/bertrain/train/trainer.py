@@ -44,6 +44,7 @@ from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from bertrain import __version__
 from bertrain.config import save_config
 from bertrain.model.options import apply_model_options
 from bertrain.model.unpad import to_device as to_device_tensor
@@ -60,7 +61,7 @@ from bertrain.train.optim import build_optimizer
 from bertrain.train.parallel import ParallelDims, apply_fsdp, gather_full_model, is_sharded, meta_copy
 from bertrain.train.precision import Precision
 from bertrain.train.profiling import StepProfiler
-from bertrain.train.resume import find_resume_checkpoint, init_optimizer_state, restore
+from bertrain.train.resume import NUMERICS, find_resume_checkpoint, init_optimizer_state, restore
 from bertrain.train.schedules import build_scheduler
 from bertrain.train.states import Clock, Stateful, TrainState, saved_entries, training_states
 from bertrain.train.trackers import TrackerIds, Trackers, open_trackers, run_status
@@ -431,7 +432,8 @@ class _Run:
         worked."""
         step = self.state.step
         train_state = {"version": 2, "task": self.task.name, "world_size": self.dist.world_size,
-                       "batch": asdict(self.plan), **saved_entries(self.states)}
+                       "batch": asdict(self.plan), "bertrain": __version__, "numerics": NUMERICS,
+                       **saved_entries(self.states)}
         kept = self.kept()
         doing = f"writing checkpoint step-{step} in {self.out}"
         model, optimizer = self.states["model"], self.states["optimizer"]
