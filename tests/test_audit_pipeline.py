@@ -228,3 +228,33 @@ def test_the_downstream_task_has_no_text_on_both_sides_of_the_split():
     assert not [k for k, (text, _) in zip(keys, rows) if is_dev(text) and k in train]
     assert same_text_key("Return True if, and only if, the flag is set.") == \
         same_text_key("return true if and only if the flag is set")
+
+
+def test_a_finished_phases_edited_config_or_vocab_is_noticed_and_an_older_record_still_skips(tmp_path):
+    """stage.json records the sha256 of a pretraining phase's final config.json, vocab.txt and tokenizer_config.json
+    beside its weights: a config.json edited by hand (another dropout) redoes the phase, and so what follows it
+    (before: only model.safetensors was recorded, and phase 2 ran from the edited model). A record of an older
+    bertrain that lists the weights alone still skips while they are unchanged."""
+    from bertrain.pipeline.stages import MODEL_FILES, STAGE_FILE, Decision, _finish, decide
+
+    stage = stages_of(tmp_path)["pretrain-phase1"]
+    for rel in MODEL_FILES:
+        (stage.folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage.folder / rel).write_text(f"{rel}\n")
+    _finish(stage, {}, 1.0)
+    upstream = {"vocab": Decision("skip", "complete"), "prepare": Decision("skip", "complete")}
+    assert decide(stage, upstream).action == "skip"
+    config = stage.folder / "final" / "config.json"
+    config.write_text('{"hidden_dropout_prob": 0.0}\n')
+    assert (decide(stage, upstream).action, decide(stage, upstream).reason) == (
+        "redo", "an output file was changed or removed since it completed")
+    record = json.loads((stage.folder / STAGE_FILE).read_text())
+    record["outputs"] = {k: v for k, v in record["outputs"].items() if k == "final/model.safetensors"}
+    (stage.folder / STAGE_FILE).write_text(json.dumps(record))
+    assert decide(stage, upstream).action == "skip"  # an older record vouches for the weights alone
+    (stage.folder / "final" / "model.safetensors").write_text("other weights\n")
+    assert decide(stage, upstream).action == "redo"
+    (stage.folder / "final" / "model.safetensors").write_text("final/model.safetensors\n")
+    assert decide(stage, upstream).action == "skip"
+    (stage.folder / "final" / "vocab.txt").unlink()  # every output must still be there
+    assert decide(stage, upstream).action == "redo"

@@ -258,7 +258,7 @@ def pretrain_stages(recipe: Recipe, vocab_file: Path, prepared: Path) -> list[St
         deps = ("vocab", "prepare") + ((stages[-1].name,) if stages else ())
         stages.append(Stage(f"pretrain-phase{phase}", f"pretrain MLM+NSP at sequence length "
                             f"{cfg.sample.max_seq_length}, {length}", True, deps, _settings(cfg, run), {},
-                            ("final/model.safetensors",), functools.partial(_pretrain_work, cfg), config=cfg))
+                            MODEL_FILES, functools.partial(_pretrain_work, cfg), config=cfg))
     return stages
 
 
@@ -445,7 +445,7 @@ def _finetune_stage(ctx: _TaskContext, init_kind: str, seed: int, plan_: Optiona
         what += ", with the settings chosen on dev"
         deps += plan_.trials
     return Stage(name, what, True, deps, settings, ctx.inputs(cfg),
-                 ("out/final/model.safetensors", "out/eval_results.json"),
+                 tuple(f"out/{f}" for f in MODEL_FILES) + ("out/final/task.json", "out/eval_results.json"),
                  functools.partial(_finetune_work, task.kind), setup=setup, config=cfg, resolve=resolve)
 
 
@@ -790,6 +790,23 @@ def _what_changed(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(bits) or "the stage's definition changed"
 
 
+MODEL_FILES = ("final/model.safetensors", "final/config.json", "final/vocab.txt", "final/tokenizer_config.json")
+"""The files of a model folder that decide what the stages after it compute: the weights, the architecture and
+dropout, the tokenizer (before session 18, the weights alone: a final/config.json or vocab.txt edited by hand was
+trusted, and the next phase or fine-tuning ran from it)."""
+
+
+def outputs_intact(stage: Stage, recorded: Any) -> bool:
+    """Whether the stage's output files are those its stage.json recorded: each file the record lists unchanged,
+    and every output present. A record of an older bertrain lists fewer files (`MODEL_FILES` grew): those it lists
+    decide; the others it cannot vouch for are taken as they are."""
+    now = output_identity(stage)
+    if now is None or not isinstance(recorded, dict):
+        return False
+    listed = [k for k in recorded if k in now]
+    return bool(listed) and all(now[k] == recorded[k] for k in listed)
+
+
 def output_identity(stage: Stage) -> dict[str, str] | None:
     """sha256 of each output file; None when one is missing."""
     out = {}
@@ -857,7 +874,7 @@ def decide(stage: Stage, upstream: dict[str, Decision]) -> Decision:
             return Decision("redo", _what_changed(done.get("parts", {}), stage.parts))
         if moved:
             return Decision("redo", f"stage {moved[0]} runs again")
-        if output_identity(stage) != done.get("outputs"):
+        if not outputs_intact(stage, done.get("outputs")):
             return Decision("redo", "an output file was changed or removed since it completed")
         return Decision("skip", "complete; settings and inputs unchanged")
     if started is not None:
