@@ -183,3 +183,26 @@ def test_the_same_init_replaced_by_other_weights_of_the_same_config_resumes_bitw
     code, err = finetune(capsys, data, init, run, "--resume", "auto")
     assert code == 0, err
     assert same_weights(straight, run)
+
+
+def test_the_same_store_named_by_another_path_resumes_bitwise(tmp_path, capsys, monkeypatch):
+    """`--data.prepared store` at the start, `/abs/path/store` (or through a symlink) at the resume: the same folder,
+    so the run continues bit for bit (before: refused as a run-changing key `data.prepared: 'store' ->
+    '/abs/.../store'`). A path to another folder is still a change."""
+    monkeypatch.chdir(tmp_path)
+    prepare(capsys, corpus(tmp_path, "a.txt"), tmp_path / "store")
+    (tmp_path / "link").symlink_to(tmp_path / "store")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    for out in (straight, run):
+        code, _, err = run_cli(capsys, *PRETRAIN, "--data.prepared", "store", "--output_dir", out)
+        assert code == 0, err
+    cut_after_step_2(run)
+    code, _, err = run_cli(capsys, *PRETRAIN, "--data.prepared", tmp_path / "link", "--output_dir", run,
+                           "--resume", "auto")
+    assert code == 0, err
+    assert same_weights(straight, run)
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    cut_after_step_2(run)
+    code, _, err = run_cli(capsys, *PRETRAIN, "--data.prepared", tmp_path / "copy", "--output_dir", run,
+                           "--resume", "auto")
+    assert code == 2 and f"data.prepared: 'store' -> '{tmp_path / 'copy'}'" in err and "Traceback" not in err

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping
 
-from bertrain.config import flatten, load_file, to_dict, upgrade_keys
+from bertrain.config import PATH_KEYS, flatten, load_file, to_dict, upgrade_keys
 from bertrain.train import checkpoint as ckpt
 from bertrain.train.config import BatchPlan, TrainerConfig
 from bertrain.train.dcp import load_model_and_optimizer, load_optimizer_moments
@@ -245,8 +245,24 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, 
             va, vb = list(va), list(vb)
         if va == vb:
             continue
-        (taken if key.startswith(EXACT_KEYS) else changing)[key] = (va, vb)
+        same = key.rsplit(".", 1)[-1] in PATH_KEYS and same_paths(va, vb)
+        (taken if same or key.startswith(EXACT_KEYS) else changing)[key] = (va, vb)
     return taken, changing
+
+
+def same_paths(a: Any, b: Any) -> bool:
+    """Whether two values of a path key name the same files from here: `data` and `/abs/cwd/data`, `x/../y` and `y`,
+    a symlink and its target (before, the same folder spelled otherwise on the resume's command line was refused as
+    a run-changing key). A path that names another folder with the same content is still a change; one that names
+    the same folder whose content changed is caught by the data's fingerprint and the model's config."""
+    if isinstance(a, str) and isinstance(b, str):
+        try:
+            return os.path.samefile(a, b)
+        except OSError:  # one is missing: the same spelling once normalised
+            return os.path.abspath(a) == os.path.abspath(b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_paths(x, y) for x, y in zip(a, b))
+    return False
 
 
 PACKING_ONLY_KEYS = ("sample.split_sentences", "sample.document_separator")
