@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from bertrain.utils.io import file_mode, fsync_dir
+from bertrain.utils.io import atomic_open, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -319,22 +318,10 @@ def _offsets_match(cached: np.ndarray, local: list[np.ndarray], base: np.ndarray
 
 
 def save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    """`arr` as a .npy file at `path`, written to a temporary sibling, fsynced and renamed (never a torn file),
-    streamed from the array (atomic_write_bytes would need a second copy of it in memory)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # (ranks write at once)
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-            f.flush()
-            os.fchmod(f.fileno(), file_mode())  # mkstemp made it 0600
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """`arr` as a .npy file at `path`, written through a temporary sibling and renamed (never a torn file; ranks may
+    write at once), streamed from the array (atomic_write_bytes would need a second copy of it in memory)."""
+    with atomic_open(path, "wb") as f:
+        np.save(f, arr)
 
 
 def document_hashes(shard: Shard) -> np.ndarray:

@@ -45,13 +45,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", **kwargs: Any) -> Iterator[Any]:
+    """A file to write `path` through, piece by piece: a temporary sibling, renamed over `path` when the block ends
+    without an error (an error or Ctrl-C removes it, and `path` is as it was). For outputs too big to hold in
+    memory whole (predictions of millions of inputs, feature caches). `mode`: "wb" or "w" (then `kwargs` are
+    open()'s: encoding, newline)."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open writes new files: mode 'wb' or 'w', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
             f.flush()
             os.fchmod(f.fileno(), file_mode())  # mkstemp made it 0600
             os.fsync(f.fileno())
@@ -61,6 +68,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
