@@ -283,15 +283,12 @@ def max_context_window(spans: list[tuple[int, int]], n_tokens: int) -> np.ndarra
     return owner
 
 
-def answer_token_span(offsets: list[tuple[int, int]], char_start: int, char_end: int) -> tuple[int, int]:
-    """Token indices [first, last] of the context tokens that overlap characters [char_start, char_end)."""
-    first = last = -1
-    for i, (s, e) in enumerate(offsets):
-        if e > char_start and s < char_end:
-            if first < 0:
-                first = i
-            last = i
-    return first, last
+def answer_token_span(offsets: Any, char_start: int, char_end: int) -> tuple[int, int]:
+    """Token indices [first, last] of the context tokens that overlap characters [char_start, char_end) ((-1, -1):
+    none); `offsets`: (start, end) per token, a list or an (n, 2) array."""
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    hit = np.flatnonzero((off[:, 1] > char_start) & (off[:, 0] < char_end))
+    return (int(hit[0]), int(hit[-1])) if len(hit) else (-1, -1)
 
 
 ENCODE_CHUNK = 8192
@@ -332,12 +329,10 @@ def build_features(examples: list[SquadExample], tok: TaskTokenizer, cfg: SquadF
         tok_start = tok_end = -1
         if is_training and not ex.is_impossible:
             a = ex.answers[0]
-            char_start, char_end = a["answer_start"], a["answer_start"] + len(a["text"])
-            hit = np.flatnonzero((c_off[:, 1] > char_start) & (c_off[:, 0] < char_end))  # answer_token_span
-            if not len(hit):
+            tok_start, tok_end = answer_token_span(c_off, a["answer_start"], a["answer_start"] + len(a["text"]))
+            if tok_start < 0:
                 raise ValueError(f"question id {ex.qid}: the answer {a['text']!r} covers no token of the context "
                                  "(only characters the tokenizer drops): fix or remove the question")
-            tok_start, tok_end = int(hit[0]), int(hit[-1])
 
         max_doc = L - len(q_ids_of[ei]) - 3
         spans: list[tuple[int, int]] = []
